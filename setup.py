@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="meshlm",
+    version="0.1.0",
+    description="A JAX trainer for LLaMA-family language models: one flag-driven script, "
+                "dp/fsdp/tp meshes, Hugging Face interop, spot-ready checkpoints.",
+    packages=find_packages(include=["trainer", "trainer.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10",
+        "jaxlib>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12",
+        "ml_collections>=1.1",
+        "absl-py",
+        "transformers==5.24.0",
+        "tokenizers",
+        "sentencepiece",
+        "safetensors",
+        "huggingface_hub",
+        "fsspec",
+        "gcsfs",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator"],
+        "tpu": ["jax[tpu]"],
+        "cuda": ["jax[cuda12]"],
+        "serve": [],
+    },
+)

@@ -1,0 +1,118 @@
+"""Checkpoints through Orbax: sharded, asynchronous, atomic, keep-N, local or gs://.
+
+A checkpoint lives at `<output_dir>/checkpoints/<step>/` and holds three items:
+  params  the model weights (what eval, generate and convert need)
+  train   everything else of the train state: optimizer state, step, RNG, counters
+  meta    JSON: the model config, tokenizer, and the run's flags
+Orbax writes each step into a temporary directory and renames it (or, on GCS, writes
+a commit marker) when complete, so a killed save is never seen as a checkpoint.
+"""
+
+import json
+
+import fsspec
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from trainer.config import UserError
+
+ITEMS = ("params", "train", "meta")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that can't be found or doesn't fit; one line naming the path."""
+
+
+def checkpoint_dir(output_dir):
+    return output_dir.rstrip("/") + "/checkpoints"
+
+
+def manager(directory, keep=None, keep_every=0, async_save=True, read_only=False):
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep or None,
+        keep_period=keep_every or None,
+        enable_async_checkpointing=async_save,
+        create=not read_only,
+        read_only=read_only,
+    )
+    return ocp.CheckpointManager(epath.Path(directory), options=options, item_names=ITEMS)
+
+
+def save(mngr, step, state, meta, force=True):
+    """Start an (async) save of the train state; returns at once."""
+    train = {k: v for k, v in state.items() if k != "params"}
+    mngr.save(step, force=force, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state["params"]),
+        train=ocp.args.StandardSave(train),
+        meta=ocp.args.JsonSave(meta)))
+
+
+def restore(mngr, step, abstract_state):
+    """Restore the whole train state onto the shardings given in abstract_state
+    (jax.ShapeDtypeStruct leaves with .sharding), whatever mesh it was saved on."""
+    train = {k: v for k, v in abstract_state.items() if k != "params"}
+    out = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state["params"]),
+        train=ocp.args.StandardRestore(train)))
+    return {"params": out["params"], **out["train"]}
+
+
+def read_meta(mngr, step):
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def locate(path):
+    """A run dir, its checkpoints/ dir, or one step dir -> (checkpoints dir, step)."""
+    path = path.rstrip("/")
+    fs, _, _ = fsspec.get_fs_token_paths(path)
+    if not fs.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    leaf = path.rsplit("/", 1)[-1]
+    if leaf.isdigit() and fs.exists(path + "/meta"):
+        return path.rsplit("/", 1)[0], int(leaf)
+    directory = checkpoint_dir(path) if fs.exists(checkpoint_dir(path)) else path
+    steps = _complete_steps(fs, directory)
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint under {path}; point at a run dir, its "
+                              "checkpoints/ dir or a checkpoints/<step> dir")
+    return directory, max(steps)
+
+
+def _complete_steps(fs, directory):
+    if not fs.exists(directory):
+        return []
+    mngr = manager(directory, read_only=True)
+    return list(mngr.all_steps())
+
+
+def is_checkpoint(path):
+    try:
+        locate(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def load_meta(path):
+    directory, step = locate(path)
+    return read_meta(manager(directory, read_only=True), step), step
+
+
+def load_params(path, abstract_params):
+    """Only the weights of a checkpoint, onto abstract_params' shardings."""
+    directory, step = locate(path)
+    mngr = manager(directory, read_only=True)
+    out = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params)))
+    return out["params"]
+
+
+def abstract_with_shardings(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def to_json_meta(model_cfg, tokenizer, config):
+    return {"model": model_cfg.to_dict(), "tokenizer": tokenizer,
+            "config": json.loads(json.dumps(config.to_dict()))}

@@ -1,0 +1,391 @@
+"""python -m trainer.train: train or fine-tune a LLaMA-family model.
+
+flags -> mesh -> tokenizer and data -> state (fresh, HF import or checkpoint) ->
+jax.jit(train_step) -> loop: batch(step) -> step -> log -> checkpoint -> HF export.
+
+`train_step` is a pure single-device function; the mesh enters only through
+jax.jit's shardings. Run with --help for every flag.
+"""
+
+import functools
+import json
+import math
+import signal
+import sys
+import time
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from ml_collections import FrozenConfigDict
+from tqdm import tqdm
+
+from trainer import checkpoint, config, data, optim, sharding
+from trainer.model import Transformer, cross_entropy, flops_per_token
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
+
+# Peak dense bf16 TFLOP/s per chip, for MFU. Override with --peak_tflops.
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
+               "TPU v6 lite": 918, "TPU v6e": 918, "A100": 312, "H100": 989, "H200": 989}
+
+
+# ------------------------------------------------------------------ the step
+def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_sigma):
+    """One optimizer step over the global batch, in grad_accum micro-batches.
+
+    state: {'params', 'opt_state', 'step', 'rng', 'bad_steps', 'loss_mean', 'loss_var'}
+    batch: {'inputs', 'targets', 'loss_mask'}, each [B, T]
+    A non-finite loss or gradient (or, with spike_sigma > 0, a loss spike) skips the
+    update and counts a bad step; a good step resets the count.
+    """
+    def micro_loss(params, micro):
+        logits = model.apply({"params": params}, micro["inputs"])
+        return cross_entropy(logits, micro["targets"], micro["loss_mask"])
+
+    def accumulate(carry, micro):
+        grad_sum, loss_sum, count = carry
+        (loss, n), grads = jax.value_and_grad(micro_loss, has_aux=True)(state["params"], micro)
+        return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, count + n), None
+
+    # [B, T] -> [A, B/A, T] such that every micro-batch keeps each device's share of rows.
+    micro_batches = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
+        batch)
+    zeros = jax.tree.map(jnp.zeros_like, state["params"])
+    (grad_sum, loss_sum, count), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0)), micro_batches)
+    count = jnp.maximum(count, 1.0)
+    loss = loss_sum / count
+    grads = jax.tree.map(lambda g: g / count, grad_sum)
+    grad_norm = optax.global_norm(grads)
+
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if spike_sigma > 0:  # after a warm-up of good steps, skip losses far above the running mean
+        limit = state["loss_mean"] + spike_sigma * jnp.sqrt(state["loss_var"])
+        ok &= (state["good_steps"] < 50) | (loss <= limit)
+
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state["params"], updates)
+    keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+    # Running mean and variance of good losses (for the spike guard).
+    rate = jnp.where(state["good_steps"] == 0, 1.0, 0.05)
+    delta = loss - state["loss_mean"]
+    new_state = {
+        "params": keep_old(params, state["params"]),
+        "opt_state": keep_old(opt_state, state["opt_state"]),
+        "step": state["step"] + 1,
+        "rng": jax.random.split(state["rng"])[0],
+        "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
+        "good_steps": state["good_steps"] + ok.astype(jnp.int32),
+        "loss_mean": jnp.where(ok, state["loss_mean"] + rate * delta, state["loss_mean"]),
+        "loss_var": jnp.where(ok, (1 - rate) * (state["loss_var"] + rate * delta ** 2),
+                              state["loss_var"]),
+    }
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
+    return new_state, metrics
+
+
+def eval_step(params, batch, *, model):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+
+def init_state(rng, *, model, optimizer, seq_len):
+    params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    return fresh_state(params, optimizer, rng)
+
+
+def fresh_state(params, optimizer, rng):
+    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
+            "rng": jax.random.fold_in(rng, 1), "bad_steps": jnp.int32(0),
+            "good_steps": jnp.int32(0), "loss_mean": jnp.float32(0), "loss_var": jnp.float32(0)}
+
+
+# ------------------------------------------------------------------ setup
+def resolve_config(argv):
+    """Parse flags; with --init_from, the model and tokenizer come from that source."""
+    cfg = config.parse_flags(argv)
+    if cfg.init_from:
+        from trainer import hf
+        if hf.is_hf_dir(cfg.init_from):
+            base, tokenizer = hf.model_config_from_hf(cfg.init_from), cfg.init_from
+        elif checkpoint.is_checkpoint(cfg.init_from):
+            meta, _ = checkpoint.load_meta(cfg.init_from)
+            base, tokenizer = meta["model"], meta["tokenizer"]
+        else:
+            raise config.ConfigError(f"--init_from: '{cfg.init_from}' is neither a Hugging Face "
+                                     "model dir (with config.json) nor a meshlm checkpoint")
+        cfg = config.parse_flags(argv, base_model=base)
+        cfg.tokenizer = cfg.tokenizer or tokenizer
+    cfg.tokenizer = cfg.tokenizer or "bytes"
+    for name in ("dtype", "param_dtype"):
+        if cfg[name] not in DTYPES:
+            raise config.ConfigError(f"--{name}: unknown '{cfg[name]}'; use one of "
+                                     + ", ".join(DTYPES))
+    if cfg.seq_len > cfg.model.max_position_embeddings:
+        raise config.ConfigError(
+            f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings="
+            f"{cfg.model.max_position_embeddings}; lower --seq_len or raise "
+            "--model.max_position_embeddings")
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+        if cfg[name] < 1:
+            raise config.ConfigError(f"--{name} must be at least 1, got {cfg[name]}")
+    return cfg
+
+
+def build_model(model_cfg, dtype="float32", param_dtype="float32", remat="none"):
+    return Transformer(FrozenConfigDict(model_cfg), dtype=DTYPES[dtype],
+                       param_dtype=DTYPES[param_dtype], remat=remat)
+
+
+def initial_params(cfg, abstract_params):
+    """Weights from --init_from (HF dir or checkpoint), placed onto abstract_params' shardings."""
+    from trainer import hf
+    if hf.is_hf_dir(cfg.init_from):
+        return hf.load_params(cfg.init_from, cfg.model, abstract_params)
+    return checkpoint.load_params(cfg.init_from, abstract_params)
+
+
+def peak_tflops(cfg):
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops
+    kind = jax.devices()[0].device_kind
+    matches = [v for k, v in PEAK_TFLOPS.items() if kind.startswith(k) or k in kind]
+    return matches[0] if matches else 0.0
+
+
+class MetricsLog:
+    """metrics.jsonl, written only by process 0. On resume, lines past the restored step
+    are dropped (those steps run again). Rewritten whole each time: works on gs:// too."""
+
+    def __init__(self, path, start_step):
+        self.path, self.lines = path, []
+        fs, _, _ = fsspec.get_fs_token_paths(path)
+        if start_step > 0 and fs.exists(path):
+            with fsspec.open(path, "r") as f:
+                self.lines = [l for l in f.read().splitlines()
+                              if l.strip() and json.loads(l)["step"] <= start_step]
+
+    def write(self, record):
+        self.lines.append(json.dumps(record))
+        with fsspec.open(self.path, "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+
+
+def prepare_output_dir(cfg):
+    """--resume=never starts over; refuse to clobber a non-empty dir without --overwrite."""
+    fs, _, _ = fsspec.get_fs_token_paths(cfg.output_dir)
+    if cfg.resume == "never":
+        if fs.exists(cfg.output_dir) and fs.ls(cfg.output_dir):
+            if not cfg.overwrite:
+                raise config.ConfigError(f"--output_dir={cfg.output_dir} is not empty; pass "
+                                         "--overwrite to start over there, or pick another dir")
+            if jax.process_index() == 0:
+                fs.rm(cfg.output_dir, recursive=True)
+    elif cfg.resume != "auto":
+        raise config.ConfigError(f"--resume: expected auto or never, got '{cfg.resume}'")
+    if jax.process_index() == 0:
+        fs.makedirs(cfg.output_dir, exist_ok=True)
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (spot preemption, Ctrl-C): finish the step, save, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self):
+        """All processes stop at the same step if any of them was signalled."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+        flags = multihost_utils.process_allgather(np.array([self.requested]))
+        return bool(np.any(flags))
+
+
+# ------------------------------------------------------------------ the run
+def run(cfg):
+    is_main = jax.process_index() == 0
+    log = print if is_main else (lambda *a, **k: None)
+
+    mesh = sharding.make_mesh(cfg.mesh, cfg.model, cfg.batch_size, cfg.grad_accum)
+    tokenizer = data.load_tokenizer(cfg.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise config.ConfigError(
+            f"tokenizer '{cfg.tokenizer}' has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}; pass --model.vocab_size="
+            f"{-(-tokenizer.vocab_size // 128) * 128}")
+    train_data, val_data = data.load_dataset(cfg.data, tokenizer, cfg.seq_len)
+    prepare_output_dir(cfg)
+
+    model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat)
+    optimizer, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
+    rng = jax.random.PRNGKey(cfg.seed)
+    init_fn = functools.partial(init_state, model=model, optimizer=optimizer, seq_len=cfg.seq_len)
+    abstract_state = jax.eval_shape(init_fn, rng)
+    state_shardings = sharding.state_shardings(abstract_state, mesh)
+    abstract_state = checkpoint.abstract_with_shardings(abstract_state, state_shardings)
+    batch_sharding = sharding.batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    mngr = checkpoint.manager(checkpoint.checkpoint_dir(cfg.output_dir), cfg.keep, cfg.keep_every)
+    meta = checkpoint.to_json_meta(cfg.model, cfg.tokenizer, cfg)
+    start = mngr.latest_step() if cfg.resume == "auto" else None
+    with jax.set_mesh(mesh):
+        if start is not None:
+            saved = checkpoint.read_meta(mngr, start)["model"]
+            if saved != cfg.model.to_dict():
+                diff = [k for k in saved if saved[k] != cfg.model.to_dict().get(k)]
+                raise checkpoint.CheckpointError(
+                    f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
+                    f"{saved[diff[0]]} there); use another --output_dir, or --resume=never "
+                    "--overwrite")
+            state = checkpoint.restore(mngr, start, abstract_state)
+            log(f"resuming from step {start} of {cfg.output_dir}")
+        else:
+            start = 0
+            if cfg.init_from:
+                params = initial_params(cfg, abstract_state["params"])
+                state = jax.jit(lambda p: fresh_state(p, optimizer, rng),
+                                out_shardings=state_shardings)(params)
+            else:  # initialise straight into the sharded layout
+                state = jax.jit(init_fn, out_shardings=state_shardings)(rng)
+
+        step_fn = jax.jit(
+            functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
+                              grad_accum=cfg.grad_accum, spike_sigma=cfg.spike_sigma),
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated), donate_argnums=0)
+        eval_fn = jax.jit(functools.partial(eval_step, model=model),
+                          in_shardings=(state_shardings["params"], batch_sharding))
+
+        def global_batch(rows):
+            """This host's rows of a batch -> one global array sharded over (dp, fsdp)."""
+            return {k: jax.make_array_from_process_local_data(
+                batch_sharding, v, (cfg.batch_size,) + v.shape[1:]) for k, v in rows.items()}
+
+        host_rows = sharding.host_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
+
+        def evaluate():
+            loss_sum, count = 0.0, 0.0
+            for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
+                if cfg.eval_batches and i >= cfg.eval_batches:
+                    break
+                s, n = eval_fn(state["params"], global_batch(
+                    {k: v[host_rows] for k, v in full.items()}))
+                loss_sum, count = loss_sum + float(s), count + float(n)
+            return loss_sum / max(count, 1.0)
+
+        # Compile ahead of time: the first step's timing stays honest, and XLA's own
+        # FLOP count cross-checks the analytic one used for MFU.
+        example = global_batch(train_data.batch(start, cfg.batch_size, cfg.seed, rows=host_rows))
+        compiled = step_fn.lower(state, example).compile()
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        model_flops = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_step
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        xla_flops = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
+        peak = peak_tflops(cfg)
+        log(f"model: {cfg.model_name}, {sum(x.size for x in jax.tree.leaves(state['params'])):,} "
+            f"params; mesh dp,fsdp,tp = {tuple(mesh.shape.values())} over {jax.device_count()} "
+            f"devices; FLOPs/step analytic {model_flops:.3g}, XLA {xla_flops:.3g}")
+
+        if is_main:
+            with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
+                f.write(json.dumps({"argv": sys.argv[1:], **cfg.to_dict()}, indent=2))
+        metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
+        if start == 0 and is_main:
+            val_loss = evaluate()
+            metrics_log.write({"step": 0, "val_loss": val_loss})
+            log(f"step 0: val_loss {val_loss:.4f}")
+
+        stop = StopSignal()
+        bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
+        window_start, window_steps = time.perf_counter(), 0
+        step = start
+        while step < cfg.steps:
+            batch = global_batch(train_data.batch(step, cfg.batch_size, cfg.seed, rows=host_rows))
+            state, metrics = compiled(state, batch)
+            metrics = jax.device_get(metrics)
+            step += 1
+            window_steps += 1
+            bar.update(1)
+            if metrics["skipped"]:
+                log(f"step {step}: skipped the update (loss {metrics['loss']}, grad_norm "
+                    f"{metrics['grad_norm']}); {metrics['bad_steps']} bad in a row")
+            if metrics["bad_steps"] >= cfg.max_bad_steps:
+                mngr.wait_until_finished()
+                last = mngr.latest_step()
+                where = (f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{last}" if last is not None
+                         else "none yet")
+                sys.exit(f"error: {cfg.max_bad_steps} bad steps in a row at step {step}; "
+                         f"last good checkpoint: {where}. Lower --optimizer.lr or check the data")
+
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window_start
+                tps = tokens_per_step * window_steps / elapsed
+                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+                          "grad_norm": float(metrics["grad_norm"]),
+                          "tokens": step * tokens_per_step, "tokens_per_sec": tps,
+                          "tflops_per_device": model_flops / tokens_per_step * tps
+                          / jax.device_count() / 1e12}
+                if peak:
+                    record["mfu"] = record["tflops_per_device"] / peak
+                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                    record["val_loss"] = evaluate()
+                if is_main:
+                    metrics_log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                window_start, window_steps = time.perf_counter(), 0
+
+            stopping = stop.agreed()
+            if step == cfg.steps or stopping or (cfg.save_every and step % cfg.save_every == 0):
+                checkpoint.save(mngr, step, state, meta)
+            if stopping:
+                break
+        bar.close()
+        mngr.wait_until_finished()
+        mngr.close()
+        if stop.requested or step < cfg.steps:
+            log(f"stopped by signal at step {step}; checkpoint saved in "
+                f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{step}. Re-run the same command "
+                "to resume.")
+            return state
+        log(f"done: {step} steps; checkpoint in {checkpoint.checkpoint_dir(cfg.output_dir)}/{step}")
+
+        if cfg.export_hf:
+            from trainer import hf
+            hf.export(state["params"], cfg.model, cfg.tokenizer, cfg.export_hf)
+            log(f"exported Hugging Face model to {cfg.export_hf}")
+            if cfg.push_to_hub:
+                hf.push_to_hub(cfg.export_hf, cfg.push_to_hub)
+    return state
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "--helpfull") for a in argv):
+        print(config.help_text("trainer.train"))
+        return
+    try:
+        cfg = config.parse_flags(argv)  # fail fast on bad flags, before touching devices
+        sharding.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+        jax.config.update("jax_threefry_partitionable", True)
+        run(resolve_config(argv))
+    except config.UserError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
