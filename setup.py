@@ -23,6 +23,7 @@ setup(
         "fsspec",
         "gcsfs",
         "tqdm",
+        "datasets",
         "numpy",
     ],
     extras_require={

@@ -19,13 +19,15 @@ import fsspec
 import fsspec.implementations.local
 import numpy as np
 
+from trainer.config import UserError
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data or tokenizer problem the user can fix; the message is one line."""
 
 

@@ -278,6 +278,9 @@ def run(cfg):
         host_rows = sharding.host_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
 
         def evaluate():
+            """Mean held-out loss (None without a validation split)."""
+            if val_data.num_rows == 0:
+                return None
             loss_sum, count = 0.0, 0.0
             for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
                 if cfg.eval_batches and i >= cfg.eval_batches:
@@ -307,8 +310,9 @@ def run(cfg):
         metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
         if start == 0 and is_main:
             val_loss = evaluate()
-            metrics_log.write({"step": 0, "val_loss": val_loss})
-            log(f"step 0: val_loss {val_loss:.4f}")
+            if val_loss is not None:
+                metrics_log.write({"step": 0, "val_loss": val_loss})
+                log(f"step 0: val_loss {val_loss:.4f}")
 
         stop = StopSignal()
         bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
@@ -342,7 +346,8 @@ def run(cfg):
                           / jax.device_count() / 1e12}
                 if peak:
                     record["mfu"] = record["tflops_per_device"] / peak
-                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and \
+                        val_data.num_rows:
                     record["val_loss"] = evaluate()
                 if is_main:
                     metrics_log.write(record)
