@@ -308,9 +308,9 @@ def run(cfg):
             with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
                 f.write(json.dumps({"argv": sys.argv[1:], **cfg.to_dict()}, indent=2))
         metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
-        if start == 0 and is_main:
-            val_loss = evaluate()
-            if val_loss is not None:
+        if start == 0:
+            val_loss = evaluate()  # every process: evaluation is a collective
+            if val_loss is not None and is_main:
                 metrics_log.write({"step": 0, "val_loss": val_loss})
                 log(f"step 0: val_loss {val_loss:.4f}")
 
