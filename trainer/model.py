@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ml_collections import FrozenConfigDict
+
 from trainer.sharding import constrain
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
 
 # Which intermediates a rematerialised block keeps for the backward pass.
 REMAT_POLICIES = {
@@ -219,6 +224,12 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             return logits, new_cache
         return logits
+
+
+def build_model(model_cfg, dtype="float32", param_dtype="float32", remat="none"):
+    """The Transformer for a model config (a dict or ConfigDict with HF field names)."""
+    return Transformer(FrozenConfigDict(model_cfg), dtype=DTYPES[dtype],
+                       param_dtype=DTYPES[param_dtype], remat=remat)
 
 
 def init_kv_cache(cfg, batch_size, max_len, dtype=jnp.float32):

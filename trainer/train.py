@@ -19,14 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from ml_collections import FrozenConfigDict
 from tqdm import tqdm
 
 from trainer import checkpoint, config, data, optim, sharding
-from trainer.model import Transformer, cross_entropy, flops_per_token
-
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
-          "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
+from trainer.model import DTYPES, build_model, cross_entropy, flops_per_token
 
 # Peak dense bf16 TFLOP/s per chip, for MFU. Override with --peak_tflops.
 PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
@@ -114,7 +110,8 @@ def resolve_config(argv):
     if cfg.init_from:
         from trainer import hf
         if hf.is_hf_dir(cfg.init_from):
-            base, tokenizer = hf.model_config_from_hf(cfg.init_from), cfg.init_from
+            base = hf.model_config_from_hf(cfg.init_from)
+            tokenizer = hf.tokenizer_spec(cfg.init_from, cfg.tokenizer)
         elif checkpoint.is_checkpoint(cfg.init_from):
             meta, _ = checkpoint.load_meta(cfg.init_from)
             base, tokenizer = meta["model"], meta["tokenizer"]
@@ -124,6 +121,12 @@ def resolve_config(argv):
         cfg = config.parse_flags(argv, base_model=base)
         cfg.tokenizer = cfg.tokenizer or tokenizer
     cfg.tokenizer = cfg.tokenizer or "bytes"
+    if cfg.push_to_hub and not cfg.export_hf:
+        raise config.ConfigError("--push_to_hub uploads the --export_hf dir; pass "
+                                 "--export_hf=DIR as well")
+    if cfg.export_hf:  # fail now, not after training
+        from trainer import hf
+        hf.check_export_dir(cfg.export_hf)
     for name in ("dtype", "param_dtype"):
         if cfg[name] not in DTYPES:
             raise config.ConfigError(f"--{name}: unknown '{cfg[name]}'; use one of "
@@ -137,11 +140,6 @@ def resolve_config(argv):
         if cfg[name] < 1:
             raise config.ConfigError(f"--{name} must be at least 1, got {cfg[name]}")
     return cfg
-
-
-def build_model(model_cfg, dtype="float32", param_dtype="float32", remat="none"):
-    return Transformer(FrozenConfigDict(model_cfg), dtype=DTYPES[dtype],
-                       param_dtype=DTYPES[param_dtype], remat=remat)
 
 
 def initial_params(cfg, abstract_params):
@@ -214,6 +212,40 @@ class StopSignal:
         return bool(np.any(flags))
 
 
+class Trainer:
+    """What a run compiles from its flags and mesh alone: the model, the optimizer, the
+    train state's shardings, a sharded initialiser and the jitted steps. No data and no
+    files, so tests can build one per mesh. Call its functions under jax.set_mesh(mesh)."""
+
+    def __init__(self, cfg, mesh):
+        self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat)
+        self.optimizer, self.schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
+        self.rng = jax.random.PRNGKey(cfg.seed)
+        init_fn = functools.partial(init_state, model=self.model, optimizer=self.optimizer,
+                                    seq_len=cfg.seq_len)
+        shapes = jax.eval_shape(init_fn, self.rng)
+        self.state_shardings = sharding.state_shardings(shapes, mesh)
+        self.abstract_state = checkpoint.abstract_with_shardings(shapes, self.state_shardings)
+        self.batch_sharding = sharding.batch_sharding(mesh)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        # A fresh state is created in its sharded layout: no device ever holds all of it.
+        self._init = jax.jit(init_fn, out_shardings=self.state_shardings)
+        self._from_params = jax.jit(lambda p: fresh_state(p, self.optimizer, self.rng),
+                                    out_shardings=self.state_shardings)
+        self.step_fn = jax.jit(
+            functools.partial(train_step, model=self.model, optimizer=self.optimizer,
+                              schedule=self.schedule, grad_accum=cfg.grad_accum,
+                              spike_sigma=cfg.spike_sigma),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_fn = jax.jit(functools.partial(eval_step, model=self.model),
+                               in_shardings=(self.state_shardings["params"], self.batch_sharding))
+
+    def fresh_state(self, params=None):
+        """A new train state around random weights (or `params`), created sharded."""
+        return self._init(self.rng) if params is None else self._from_params(params)
+
+
 # ------------------------------------------------------------------ the run
 def run(cfg):
     is_main = jax.process_index() == 0
@@ -229,15 +261,8 @@ def run(cfg):
     train_data, val_data = data.load_dataset(cfg.data, tokenizer, cfg.seq_len)
     prepare_output_dir(cfg)
 
-    model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat)
-    optimizer, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
-    rng = jax.random.PRNGKey(cfg.seed)
-    init_fn = functools.partial(init_state, model=model, optimizer=optimizer, seq_len=cfg.seq_len)
-    abstract_state = jax.eval_shape(init_fn, rng)
-    state_shardings = sharding.state_shardings(abstract_state, mesh)
-    abstract_state = checkpoint.abstract_with_shardings(abstract_state, state_shardings)
-    batch_sharding = sharding.batch_sharding(mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    trainer = Trainer(cfg, mesh)
+    abstract_state, batch_sharding = trainer.abstract_state, trainer.batch_sharding
 
     mngr = checkpoint.manager(checkpoint.checkpoint_dir(cfg.output_dir), cfg.keep, cfg.keep_every)
     meta = checkpoint.to_json_meta(cfg.model, cfg.tokenizer, cfg)
@@ -256,19 +281,11 @@ def run(cfg):
         else:
             start = 0
             if cfg.init_from:
-                params = initial_params(cfg, abstract_state["params"])
-                state = jax.jit(lambda p: fresh_state(p, optimizer, rng),
-                                out_shardings=state_shardings)(params)
-            else:  # initialise straight into the sharded layout
-                state = jax.jit(init_fn, out_shardings=state_shardings)(rng)
+                state = trainer.fresh_state(initial_params(cfg, abstract_state["params"]))
+            else:
+                state = trainer.fresh_state()
 
-        step_fn = jax.jit(
-            functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
-                              grad_accum=cfg.grad_accum, spike_sigma=cfg.spike_sigma),
-            in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, replicated), donate_argnums=0)
-        eval_fn = jax.jit(functools.partial(eval_step, model=model),
-                          in_shardings=(state_shardings["params"], batch_sharding))
+        step_fn, eval_fn = trainer.step_fn, trainer.eval_fn
 
         def global_batch(rows):
             """This host's rows of a batch -> one global array sharded over (dp, fsdp)."""

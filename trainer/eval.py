@@ -1,0 +1,72 @@
+"""python -m trainer.eval --checkpoint=C --data=D: loss and perplexity on a dataset.
+
+C is a meshlm checkpoint (run dir, checkpoints/ dir or one step) or a Hugging Face
+model dir. Every document of D is scored (no held-out split is taken). The last
+line printed is JSON: {"loss": ..., "perplexity": ..., "tokens": ...}.
+"""
+
+import functools
+import json
+import math
+import sys
+
+import jax
+from absl import logging as absl_logging
+from ml_collections import ConfigDict
+
+from trainer import checkpoint, config, data
+from trainer.model import cross_entropy
+
+FLAGS = {
+    "checkpoint": ("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) or HF dir"),
+    "data": ("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)"),
+    "format": ("text", "text | chat (loss on assistant turns only)"),
+    "text_field": ("text", "JSONL / dataset field holding the text"),
+    "messages_field": ("messages", "JSONL / dataset field holding chat messages"),
+    "split": ("train", "HF dataset split"),
+    "cache_dir": ("", "tokenization cache (empty: ~/.cache/meshlm/tokens)"),
+    "tokenizer": ("", "override the checkpoint's tokenizer"),
+    "seq_len": (128, "tokens per scored row"),
+    "batch_size": (8, "rows per forward pass"),
+    "max_batches": (0, "stop after this many batches (0: all)"),
+    "dtype": ("float32", "compute dtype: float32 | bfloat16"),
+}
+
+
+def evaluate(model, params, dataset, batch_size, max_batches=0):
+    """Token-weighted mean loss over the dataset's rows -> (loss, tokens)."""
+    score = jax.jit(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]),
+                                               b["targets"], b["loss_mask"]))
+    loss_sum, tokens = 0.0, 0.0
+    for i, batch in enumerate(dataset.eval_batches(batch_size)):
+        if max_batches and i >= max_batches:
+            break
+        s, n = score(params, batch)
+        loss_sum, tokens = loss_sum + float(s), tokens + float(n)
+    return loss_sum / max(tokens, 1.0), int(tokens)
+
+
+def main(argv=None):
+    absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
+    cfg = config.parse_or_exit("trainer.eval", FLAGS, argv)
+    try:
+        if not cfg.checkpoint:
+            raise config.ConfigError("--checkpoint is required: a meshlm checkpoint or HF dir")
+        model, params, tokenizer_spec = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
+                                                              cfg.dtype)
+        if cfg.seq_len > model.cfg.max_position_embeddings:
+            raise config.ConfigError(f"--seq_len={cfg.seq_len} is longer than the model's "
+                                     f"max_position_embeddings={model.cfg.max_position_embeddings}")
+        tokenizer = data.load_tokenizer(tokenizer_spec)
+        data_cfg = ConfigDict(dict(path=cfg.data, format=cfg.format, text_field=cfg.text_field,
+                                   messages_field=cfg.messages_field, split=cfg.split,
+                                   val_fraction=0.0, cache_dir=cfg.cache_dir))
+        dataset, _ = data.load_dataset(data_cfg, tokenizer, cfg.seq_len)
+        loss, tokens = evaluate(model, params, dataset, cfg.batch_size, cfg.max_batches)
+    except config.UserError as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps({"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens}))
+
+
+if __name__ == "__main__":
+    main()
