@@ -5,10 +5,16 @@ A checkpoint lives at `<output_dir>/checkpoints/<step>/` and holds three items:
   train   everything else of the train state: optimizer state, step, RNG, counters
   meta    JSON: the model config, tokenizer, and the run's flags
 Orbax writes each step into a temporary directory and renames it (or, on GCS, writes
-a commit marker) when complete, so a killed save is never seen as a checkpoint.
+a commit marker) when complete, so a killed save is never seen as a checkpoint; the
+leftovers of one are removed the next time a run opens the directory for writing.
+
+Saves are asynchronous: `save` copies the arrays to host memory and returns, and the
+files are written in the background while training goes on.
 """
 
+import contextlib
 import json
+import os
 
 import fsspec
 import jax
@@ -28,14 +34,33 @@ def checkpoint_dir(output_dir):
     return output_dir.rstrip("/") + "/checkpoints"
 
 
-def manager(directory, keep=None, keep_every=0, async_save=True, read_only=False):
+def manager(directory, keep=0, keep_every=0, async_save=True, read_only=False,
+            concurrent_gb=None):
+    """An Orbax CheckpointManager over `directory` (local or gs://).
+
+    keep: the newest N checkpoints survive (0: all); keep_every: so do those whose step is
+    a multiple of it. A writable manager removes unfinished saves of earlier runs.
+    concurrent_gb: cap on the params bytes written or read at once (at least the largest
+    array); convert sets it so that a save or a casting restore adds little to the one copy
+    of the model in memory."""
+    policies = [ocp.checkpoint_managers.LatestN(n=keep or None)]
+    if keep_every:
+        policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep or None,
-        keep_period=keep_every or None,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,
     )
+    if "://" not in directory:
+        directory = os.path.abspath(directory)  # Orbax needs absolute local paths
+    if concurrent_gb:
+        handlers = {"params": ocp.StandardCheckpointHandler(save_concurrent_gb=concurrent_gb,
+                                                            restore_concurrent_gb=concurrent_gb),
+                    "train": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        return ocp.CheckpointManager(epath.Path(directory), options=options,
+                                     item_handlers=handlers)
     return ocp.CheckpointManager(epath.Path(directory), options=options, item_names=ITEMS)
 
 
@@ -63,14 +88,19 @@ def read_meta(mngr, step):
 
 
 def locate(path):
-    """A run dir, its checkpoints/ dir, or one step dir -> (checkpoints dir, step)."""
+    """A run dir, its checkpoints/ dir, or one step dir -> (checkpoints dir, step).
+    Only complete checkpoints count: an interrupted save is never picked."""
     path = path.rstrip("/")
     fs, _, _ = fsspec.get_fs_token_paths(path)
     if not fs.exists(path):
         raise CheckpointError(f"checkpoint not found: {path}")
-    leaf = path.rsplit("/", 1)[-1]
+    parent, leaf = path.rsplit("/", 1) if "/" in path else (".", path)
     if leaf.isdigit() and fs.exists(path + "/meta"):
-        return path.rsplit("/", 1)[0], int(leaf)
+        if int(leaf) not in _complete_steps(fs, parent):
+            raise CheckpointError(f"{path} is an unfinished checkpoint (its save was "
+                                  "interrupted); point at its run dir to use the newest "
+                                  "complete one")
+        return parent, int(leaf)
     directory = checkpoint_dir(path) if fs.exists(checkpoint_dir(path)) else path
     steps = _complete_steps(fs, directory)
     if not steps:
@@ -82,8 +112,8 @@ def locate(path):
 def _complete_steps(fs, directory):
     if not fs.exists(directory):
         return []
-    mngr = manager(directory, read_only=True)
-    return list(mngr.all_steps())
+    with contextlib.closing(manager(directory, read_only=True)) as mngr:
+        return list(mngr.all_steps())
 
 
 def is_checkpoint(path):
@@ -96,15 +126,16 @@ def is_checkpoint(path):
 
 def load_meta(path):
     directory, step = locate(path)
-    return read_meta(manager(directory, read_only=True), step), step
+    with contextlib.closing(manager(directory, read_only=True)) as mngr:
+        return read_meta(mngr, step), step
 
 
 def load_params(path, abstract_params):
     """Only the weights of a checkpoint, onto abstract_params' shardings."""
     directory, step = locate(path)
-    mngr = manager(directory, read_only=True)
-    out = mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params)))
+    with contextlib.closing(manager(directory, read_only=True)) as mngr:
+        out = mngr.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
     return out["params"]
 
 
@@ -125,7 +156,8 @@ def load_model(path, tokenizer="", dtype="float32"):
     from trainer.model import build_model
 
     if hf.is_hf_dir(path):
-        model_cfg, saved_tokenizer = hf.model_config_from_hf(path), path
+        model_cfg, saved_tokenizer = hf.model_config_from_hf(path), hf.tokenizer_spec(path,
+                                                                                      tokenizer)
     else:
         meta, _ = load_meta(path)
         model_cfg, saved_tokenizer = meta["model"], meta["tokenizer"]
