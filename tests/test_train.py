@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from conftest import REPO, run_cli
-from trainer import config, eval as eval_cli, generate as generate_cli
+from trainer import config, convert, eval as eval_cli, generate as generate_cli, serve
 
 SMALL = ["--seq_len=64", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_batches=2"]
 
@@ -39,11 +39,13 @@ def test_readme_opens_with_install_and_test_commands():
 
 
 def test_every_readme_flag_parses():
-    specs = {"train": config.FLAGS, "eval": eval_cli.FLAGS, "generate": generate_cli.FLAGS}
+    specs = {"train": config.FLAGS, "eval": eval_cli.FLAGS, "generate": generate_cli.FLAGS,
+             "convert": convert.FLAGS, "serve": serve.FLAGS}
     commands = readme_commands()
     assert sum(module == "train" for module, _ in commands) >= 3
     for module, args in commands:
-        if module in specs and args != ["--help"]:
+        assert module in specs, module
+        if args != ["--help"]:
             config.parse_flags(args, specs[module])  # raises ConfigError on an unknown flag
 
 
