@@ -115,6 +115,7 @@ FLAGS = {
     "overwrite": (False, "with --resume=never, allow a non-empty output_dir"),
     "max_bad_steps": (5, "stop after this many non-finite (or spiking) steps in a row"),
     "spike_sigma": (0.0, "skip updates whose loss exceeds the rolling mean by this many sigma (0: off)"),
+    "debug_nan_steps": ("", "testing aid: comma-separated steps (as logged) whose loss is made NaN"),
     "export_hf": ("", "after training, write a Hugging Face model dir here"),
     "push_to_hub": ("", "after --export_hf, upload it to this HF hub repo id"),
     "peak_tflops": (0.0, "peak bf16 TFLOP/s per device for MFU (0: look up the device kind)"),
