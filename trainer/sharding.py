@@ -7,6 +7,10 @@ Three pieces, all outside the model:
   `constrain`, which does nothing when no mesh is set.
 """
 
+import glob
+import hashlib
+import importlib.util
+import json
 import os
 import re
 
@@ -134,15 +138,22 @@ def make_mesh(text, model_cfg=None, batch_size=None, grad_accum=1, devices=None)
     devices = devices if devices is not None else jax.devices()
     dp, fsdp, tp = parse_mesh(text, len(devices))
     if model_cfg is not None:
-        for field in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(model_cfg, field) % tp:
-                raise ShardingError(f"--mesh={text}: tp={tp} must divide model.{field}="
-                                    f"{getattr(model_cfg, field)}; pick a tp that divides it")
+        # Each tp shard holds whole attention heads: tp divides both head counts.
+        heads, kv_heads = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
+        for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count % tp:
+                fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+                raise ShardingError(f"--mesh={text}: tp={tp} must divide model.{field}={count}; "
+                                    f"use tp in {{{', '.join(map(str, fits))}}}")
     if batch_size is not None:
         rows = dp * fsdp * grad_accum
         if batch_size % rows:
-            raise ShardingError(f"--batch_size={batch_size} must be a multiple of dp*fsdp*"
-                                f"grad_accum = {dp}*{fsdp}*{grad_accum} = {rows}")
+            lower = batch_size // rows * rows
+            near = " or ".join(str(b) for b in (lower, lower + rows) if b > 0)
+            raise ShardingError(
+                f"--batch_size={batch_size} must be a multiple of dp*fsdp*grad_accum = "
+                f"{dp}*{fsdp}*{grad_accum} = {rows}; use --batch_size={near}, or change "
+                "--mesh or --grad_accum")
     return jax.make_mesh((dp, fsdp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
                          devices=devices)
 
@@ -162,22 +173,61 @@ def host_rows(sharding, global_shape):
     return slice(lo, hi)
 
 
+def debug_log_rows(step, rows, host_batch):
+    """Test aid (tests/test_multihost.py): with MESHLM_DEBUG_ROWS_LOG=PATH set, each process
+    appends the global batch rows it loaded for `step`, and a digest of them, to
+    PATH.<process index>. Does nothing otherwise."""
+    path = os.environ.get("MESHLM_DEBUG_ROWS_LOG")
+    if not path:
+        return
+    record = {"process": jax.process_index(), "step": step, "rows": [rows.start, rows.stop],
+              "loaded": len(host_batch["inputs"]),
+              "sha1": hashlib.sha1(host_batch["inputs"].tobytes()).hexdigest()}
+    with open(f"{path}.{jax.process_index()}", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 # ------------------------------------------------------------------ multi-host
 def init_distributed(coordinator_address="", num_processes=0, process_id=-1):
-    """Join JAX's distributed runtime: from flags, or auto-detected on TPU pods, SLURM and
-    other clusters JAX knows. Single-host runs do nothing. Call before any JAX op."""
-    if coordinator_address:
-        jax.distributed.initialize(coordinator_address=coordinator_address,
+    """Join JAX's distributed runtime, so that every process sees every device of the job.
+
+    Explicit (any machines): --coordinator_address=HOST:PORT of process 0, --num_processes
+    and --process_id, the same command on every host. Auto-detected: Cloud TPU VMs (pod
+    slices), SLURM (srun) and Open MPI (mpirun), where JAX reads all three from the
+    environment. Otherwise a single-process run: nothing to do. Call before any JAX op."""
+    explicit = bool(coordinator_address) or num_processes > 0 or process_id >= 0
+    in_cluster = _in_cluster()
+    if not explicit and not in_cluster:
+        return
+    if not in_cluster and not (coordinator_address and num_processes > 0 and process_id >= 0):
+        raise ShardingError("multi-host needs all three of --coordinator_address=HOST:PORT "
+                            "(process 0's address), --num_processes and --process_id, unless "
+                            "JAX detects the cluster (Cloud TPU VM, SLURM srun, Open MPI)")
+    if 0 < num_processes <= process_id:
+        raise ShardingError(f"--process_id={process_id} must be below --num_processes="
+                            f"{num_processes} (processes count from 0)")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address or None,
                                    num_processes=num_processes or None,
                                    process_id=None if process_id < 0 else process_id)
-    elif _in_cluster():
-        jax.distributed.initialize()
+    except (RuntimeError, ValueError) as e:
+        where = coordinator_address or "the auto-detected coordinator"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ShardingError(f"could not join the distributed runtime at {where}: {first}; "
+                            "check that every process got the same --coordinator_address and "
+                            "--num_processes and that process 0 is reachable") from None
 
 
 def _in_cluster():
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    """A multi-process job that jax.distributed.initialize() can configure by itself."""
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_NODELIST" in env:  # under srun
         return True
-    if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:  # under mpirun
         return True
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    return len([h for h in hosts.split(",") if h]) > 1
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:  # GKE TPU
+        return True
+    # A Cloud TPU VM (libtpu installed, TPU chips attached): JAX asks the metadata server
+    # for the slice's workers; on a single-host slice that is a harmless one-process job.
+    has_chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+    return bool(has_chips) and importlib.util.find_spec("libtpu") is not None

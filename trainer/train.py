@@ -10,8 +10,10 @@ jax.jit's shardings. Run with --help for every flag.
 import functools
 import json
 import math
+import os
 import signal
 import sys
+import threading
 import time
 
 import fsspec
@@ -24,23 +26,32 @@ from tqdm import tqdm
 from trainer import checkpoint, config, data, optim, sharding
 from trainer.model import DTYPES, build_model, cross_entropy, flops_per_token
 
-# Peak dense bf16 TFLOP/s per chip, for MFU. Override with --peak_tflops.
-PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
-               "TPU v6 lite": 918, "TPU v6e": 918, "A100": 312, "H100": 989, "H200": 989}
+# Peak dense bf16 TFLOP/s per device, for MFU, by a part of jax's device_kind (the longest
+# match wins: "TPU v5 lite" is a v5e, "TPU v5" a v5p). Override with --peak_tflops.
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5": 459, "TPU v5p": 459,
+               "TPU v6 lite": 918, "TPU v6e": 918, "A100": 312, "H100": 989, "H100 PCIe": 756,
+               "H100 NVL": 835, "H200": 989, "H200 NVL": 835, "B200": 2250}
 
 
 # ------------------------------------------------------------------ the step
-def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_sigma):
+def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_sigma,
+               nan_steps=()):
     """One optimizer step over the global batch, in grad_accum micro-batches.
 
     state: {'params', 'opt_state', 'step', 'rng', 'bad_steps', 'loss_mean', 'loss_var'}
     batch: {'inputs', 'targets', 'loss_mask'}, each [B, T]
     A non-finite loss or gradient (or, with spike_sigma > 0, a loss spike) skips the
     update and counts a bad step; a good step resets the count.
+    nan_steps (testing aid, --debug_nan_steps): steps, numbered as logged, whose loss and
+    gradients are made NaN.
     """
+    poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(nan_steps, jnp.int32)),
+                       jnp.nan, 1.0) if nan_steps else 1.0
+
     def micro_loss(params, micro):
         logits = model.apply({"params": params}, micro["inputs"])
-        return cross_entropy(logits, micro["targets"], micro["loss_mask"])
+        loss_sum, n = cross_entropy(logits, micro["targets"], micro["loss_mask"])
+        return loss_sum * poison, n
 
     def accumulate(carry, micro):
         grad_sum, loss_sum, count = carry
@@ -66,7 +77,10 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
 
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state["params"], updates)
-    keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    # Every state leaf keeps its dtype (bf16 params get f32 gradients, so Adam's moments
+    # would drift to f32), or the compiled step and its donated buffers no longer fit.
+    keep_old = lambda new, old: jax.tree.map(
+        lambda n, o: jnp.where(ok, n, o).astype(o.dtype), new, old)
 
     # Running mean and variance of good losses (for the spike guard).
     rate = jnp.where(state["good_steps"] == 0, 1.0, 0.05)
@@ -82,7 +96,9 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
         "loss_var": jnp.where(ok, (1 - rate) * (state["loss_var"] + rate * delta ** 2),
                               state["loss_var"]),
     }
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+    # The optimizer's schedule counts applied updates (a skipped step leaves its state as it
+    # was), which is good_steps: that is the lr this step used.
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["good_steps"]),
                "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
     return new_state, metrics
 
@@ -153,9 +169,22 @@ def initial_params(cfg, abstract_params):
 def peak_tflops(cfg):
     if cfg.peak_tflops > 0:
         return cfg.peak_tflops
-    kind = jax.devices()[0].device_kind
-    matches = [v for k, v in PEAK_TFLOPS.items() if kind.startswith(k) or k in kind]
-    return matches[0] if matches else 0.0
+    return peak_tflops_for(jax.devices()[0].device_kind)
+
+
+def xla_flops_per_step(compiled, num_devices, grad_accum=1):
+    """XLA's own FLOP count of a compiled train step, summed over its devices. Its cost
+    analysis is per device and counts a loop body once, so the grad_accum scan is scaled up
+    (the small optimizer update with it: close enough for a cross-check)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", 0.0)) * num_devices * grad_accum
+
+
+def peak_tflops_for(device_kind):
+    """'NVIDIA H100 80GB HBM3' -> 989; 0.0 for kinds without an entry (CPU)."""
+    matches = [k for k in PEAK_TFLOPS if k in device_kind]
+    return float(PEAK_TFLOPS[max(matches, key=len)]) if matches else 0.0
 
 
 class MetricsLog:
@@ -190,18 +219,44 @@ def prepare_output_dir(cfg):
         raise config.ConfigError(f"--resume: expected auto or never, got '{cfg.resume}'")
     if jax.process_index() == 0:
         fs.makedirs(cfg.output_dir, exist_ok=True)
+    if jax.process_count() > 1:  # nobody looks into the dir before process 0 has cleared it
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("meshlm:prepare_output_dir")
+
+
+def parse_nan_steps(text):
+    """--debug_nan_steps='3,4,5' -> (3, 4, 5)."""
+    try:
+        return tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    except ValueError:
+        raise config.ConfigError(f"--debug_nan_steps: expected comma-separated step numbers, "
+                                 f"got '{text}'") from None
 
 
 class StopSignal:
-    """SIGTERM / SIGINT (spot preemption, Ctrl-C): finish the step, save, exit 0."""
+    """SIGTERM / SIGINT (spot preemption, Ctrl-C): finish the step, save, exit 0.
+    Installed for the whole run, so a signal during setup also stops cleanly. Repeated
+    SIGTERMs are ignored; a second Ctrl-C aborts at once."""
 
     def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self.requested, self._previous = False, {}
+        if threading.current_thread() is threading.main_thread():  # where handlers live
+            self._previous = {sig: signal.signal(sig, self._handle)
+                              for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            self.restore()
+            raise KeyboardInterrupt
+        if not self.requested:  # os.write: print() may be mid-call in the main thread
+            os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a "
+                        f"checkpoint and exiting\n".encode())
         self.requested = True
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def agreed(self):
         """All processes stop at the same step if any of them was signalled."""
@@ -235,7 +290,8 @@ class Trainer:
         self.step_fn = jax.jit(
             functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                               schedule=self.schedule, grad_accum=cfg.grad_accum,
-                              spike_sigma=cfg.spike_sigma),
+                              spike_sigma=cfg.spike_sigma,
+                              nan_steps=parse_nan_steps(cfg.debug_nan_steps)),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self.eval_fn = jax.jit(functools.partial(eval_step, model=self.model),
@@ -248,6 +304,15 @@ class Trainer:
 
 # ------------------------------------------------------------------ the run
 def run(cfg):
+    """Train as cfg says; returns the final train state. SIGTERM / SIGINT stop it cleanly."""
+    stop = StopSignal()
+    try:
+        return _run(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _run(cfg, stop):
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
@@ -313,9 +378,7 @@ def run(cfg):
         compiled = step_fn.lower(state, example).compile()
         tokens_per_step = cfg.batch_size * cfg.seq_len
         model_flops = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_step
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        xla_flops = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
+        xla_flops = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
         peak = peak_tflops(cfg)
         log(f"model: {cfg.model_name}, {sum(x.size for x in jax.tree.leaves(state['params'])):,} "
             f"params; mesh dp,fsdp,tp = {tuple(mesh.shape.values())} over {jax.device_count()} "
@@ -331,13 +394,18 @@ def run(cfg):
                 metrics_log.write({"step": 0, "val_loss": val_loss})
                 log(f"step 0: val_loss {val_loss:.4f}")
 
-        stop = StopSignal()
+        if stop.agreed():  # signalled during setup: nothing new to save
+            log(f"stopped by signal before step {start + 1}; nothing new to save. Re-run the "
+                "same command to resume.")
+            mngr.close()
+            return state
         bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
         window_start, window_steps = time.perf_counter(), 0
         step = start
         while step < cfg.steps:
-            batch = global_batch(train_data.batch(step, cfg.batch_size, cfg.seed, rows=host_rows))
-            state, metrics = compiled(state, batch)
+            rows = train_data.batch(step, cfg.batch_size, cfg.seed, rows=host_rows)
+            sharding.debug_log_rows(step, host_rows, rows)
+            state, metrics = compiled(state, global_batch(rows))
             metrics = jax.device_get(metrics)
             step += 1
             window_steps += 1
@@ -345,13 +413,6 @@ def run(cfg):
             if metrics["skipped"]:
                 log(f"step {step}: skipped the update (loss {metrics['loss']}, grad_norm "
                     f"{metrics['grad_norm']}); {metrics['bad_steps']} bad in a row")
-            if metrics["bad_steps"] >= cfg.max_bad_steps:
-                mngr.wait_until_finished()
-                last = mngr.latest_step()
-                where = (f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{last}" if last is not None
-                         else "none yet")
-                sys.exit(f"error: {cfg.max_bad_steps} bad steps in a row at step {step}; "
-                         f"last good checkpoint: {where}. Lower --optimizer.lr or check the data")
 
             if step % cfg.log_every == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window_start
@@ -363,6 +424,8 @@ def run(cfg):
                           / jax.device_count() / 1e12}
                 if peak:
                     record["mfu"] = record["tflops_per_device"] / peak
+                if metrics["skipped"]:
+                    record["skipped"] = True
                 if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and \
                         val_data.num_rows:
                     record["val_loss"] = evaluate()
@@ -370,19 +433,28 @@ def run(cfg):
                     metrics_log.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 window_start, window_steps = time.perf_counter(), 0
+            if metrics["bad_steps"] >= cfg.max_bad_steps:
+                mngr.wait_until_finished()
+                last = mngr.latest_step()
+                where = (f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{last}" if last is not None
+                         else "none yet")
+                sys.exit(f"error: {cfg.max_bad_steps} bad steps in a row at step {step} (non-"
+                         f"finite or spiking loss); last good checkpoint: {where}. Lower "
+                         "--optimizer.lr or check the data, then re-run to resume from it")
 
             stopping = stop.agreed()
-            if step == cfg.steps or stopping or (cfg.save_every and step % cfg.save_every == 0):
+            periodic = cfg.save_every and step % cfg.save_every == 0 and not metrics["bad_steps"]
+            if step == cfg.steps or stopping or periodic:  # (no periodic save mid bad streak)
                 checkpoint.save(mngr, step, state, meta)
             if stopping:
                 break
         bar.close()
         mngr.wait_until_finished()
         mngr.close()
-        if stop.requested or step < cfg.steps:
+        if step < cfg.steps:
             log(f"stopped by signal at step {step}; checkpoint saved in "
                 f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{step}. Re-run the same command "
-                "to resume.")
+                "to resume from it.")
             return state
         log(f"done: {step} steps; checkpoint in {checkpoint.checkpoint_dir(cfg.output_dir)}/{step}")
 
