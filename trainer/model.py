@@ -200,7 +200,11 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-        x = constrain(embed(tokens), ("batch", "seq", "embed"))  # [B, T, D]
+        # Look rows up in a table split over vocab only: gathered over fsdp like any FSDP
+        # weight, so XLA need not copy the whole [B, T, D] lookup onto every device.
+        table = constrain(embed.embedding, ("vocab", None))  # [V, D]
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = constrain(x, ("batch", "seq", "embed"))  # [B, T, D]
 
         block_cls = Block
         if self.remat != "none" and kv_cache is None:

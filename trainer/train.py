@@ -17,6 +17,7 @@ import threading
 import time
 
 import fsspec
+import fsspec.implementations.local
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,13 +57,15 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
     def accumulate(carry, micro):
         grad_sum, loss_sum, count = carry
         (loss, n), grads = jax.value_and_grad(micro_loss, has_aux=True)(state["params"], micro)
-        return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, count + n), None
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+        return (grad_sum, loss_sum + loss, count + n), None
 
     # [B, T] -> [A, B/A, T] such that every micro-batch keeps each device's share of rows.
     micro_batches = jax.tree.map(
         lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
         batch)
-    zeros = jax.tree.map(jnp.zeros_like, state["params"])
+    # Gradients add up in float32, whatever the parameter dtype.
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
     (grad_sum, loss_sum, count), _ = jax.lax.scan(
         accumulate, (zeros, jnp.float32(0), jnp.float32(0)), micro_batches)
     count = jnp.maximum(count, 1.0)
@@ -189,20 +192,33 @@ def peak_tflops_for(device_kind):
 
 class MetricsLog:
     """metrics.jsonl, written only by process 0. On resume, lines past the restored step
-    are dropped (those steps run again). Rewritten whole each time: works on gs:// too."""
+    are dropped (those steps run again). Local files are appended to; object stores
+    (gs://) can't append, so there the file is rewritten whole."""
 
     def __init__(self, path, start_step):
         self.path, self.lines = path, []
         fs, _, _ = fsspec.get_fs_token_paths(path)
+        self.local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
         if start_step > 0 and fs.exists(path):
             with fsspec.open(path, "r") as f:
                 self.lines = [l for l in f.read().splitlines()
                               if l.strip() and json.loads(l)["step"] <= start_step]
+        self._rewrite()
+
+    def _rewrite(self):
+        with fsspec.open(self.path, "w") as f:
+            f.write("".join(line + "\n" for line in self.lines))
 
     def write(self, record):
+        # NaN and inf are not JSON: a skipped step's loss is written as null.
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}
         self.lines.append(json.dumps(record))
-        with fsspec.open(self.path, "w") as f:
-            f.write("\n".join(self.lines) + "\n")
+        if self.local:
+            with open(self.path, "a") as f:
+                f.write(self.lines[-1] + "\n")
+        else:
+            self._rewrite()
 
 
 def prepare_output_dir(cfg):
@@ -304,7 +320,8 @@ class Trainer:
 
 # ------------------------------------------------------------------ the run
 def run(cfg):
-    """Train as cfg says; returns the final train state. SIGTERM / SIGINT stop it cleanly."""
+    """Train as cfg says; returns the final train state (None when output_dir already holds
+    --steps steps). SIGTERM / SIGINT stop it cleanly."""
     stop = StopSignal()
     try:
         return _run(cfg, stop)
@@ -314,7 +331,7 @@ def run(cfg):
 
 def _run(cfg, stop):
     is_main = jax.process_index() == 0
-    log = print if is_main else (lambda *a, **k: None)
+    log = tqdm.write if is_main else (lambda *a, **k: None)  # above the progress bar
 
     mesh = sharding.make_mesh(cfg.mesh, cfg.model, cfg.batch_size, cfg.grad_accum)
     tokenizer = data.load_tokenizer(cfg.tokenizer)
@@ -341,6 +358,11 @@ def _run(cfg, stop):
                     f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
                     f"{saved[diff[0]]} there); use another --output_dir, or --resume=never "
                     "--overwrite")
+            if start >= cfg.steps:
+                log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
+                    "nothing to do. Raise --steps to train on.")
+                mngr.close()
+                return None
             state = checkpoint.restore(mngr, start, abstract_state)
             log(f"resuming from step {start} of {cfg.output_dir}")
         else:
@@ -387,7 +409,8 @@ def _run(cfg, stop):
         if is_main:
             with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
                 f.write(json.dumps({"argv": sys.argv[1:], **cfg.to_dict()}, indent=2))
-        metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
+        metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start) \
+            if is_main else None
         if start == 0:
             val_loss = evaluate()  # every process: evaluation is a collective
             if val_loss is not None and is_main:
@@ -421,7 +444,7 @@ def _run(cfg, stop):
                           "grad_norm": float(metrics["grad_norm"]),
                           "tokens": step * tokens_per_step, "tokens_per_sec": tps,
                           "tflops_per_device": model_flops / tokens_per_step * tps
-                          / jax.device_count() / 1e12}
+                          / mesh.size / 1e12}
                 if peak:
                     record["mfu"] = record["tflops_per_device"] / peak
                 if metrics["skipped"]:
