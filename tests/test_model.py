@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
 from trainer.config import MODEL_PRESETS, model_config
 from trainer.generate import generate

@@ -150,25 +150,24 @@ def to_json_meta(model_cfg, tokenizer, config):
 
 
 def load_model(path, tokenizer="", dtype="float32"):
-    """A meshlm checkpoint or a Hugging Face model dir -> (model, params, tokenizer spec),
-    on one device, for eval, generate and serve."""
-    from trainer import hf
+    """A meshlm checkpoint or a Hugging Face model dir -> (model, params, tokenizer), on one
+    device, for eval, generate and serve. `tokenizer` overrides the saved one."""
+    from trainer import data, hf
     from trainer.model import build_model
 
-    if hf.is_hf_dir(path):
-        model_cfg, saved_tokenizer = hf.model_config_from_hf(path), hf.tokenizer_spec(path,
-                                                                                      tokenizer)
+    if not path:
+        raise CheckpointError("--checkpoint is required: a meshlm checkpoint or HF model dir")
+    from_hf = hf.is_hf_dir(path)
+    if from_hf:
+        model_cfg, tokenizer = hf.model_config_from_hf(path), hf.tokenizer_spec(path, tokenizer)
     else:
         meta, _ = load_meta(path)
-        model_cfg, saved_tokenizer = meta["model"], meta["tokenizer"]
+        model_cfg, tokenizer = meta["model"], tokenizer or meta["tokenizer"]
     model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
                                                jax.numpy.zeros((1, 1), "int32")))["params"]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             shapes)
-    if hf.is_hf_dir(path):
-        params = hf.load_params(path, model_cfg, abstract)
-    else:
-        params = load_params(path, abstract)
-    return model, params, tokenizer or saved_tokenizer
+    params = hf.load_params(path, model_cfg, abstract) if from_hf else load_params(path, abstract)
+    return model, params, data.load_tokenizer(tokenizer)

@@ -5,7 +5,6 @@ model dir. Every document of D is scored (no held-out split is taken). The last
 line printed is JSON: {"loss": ..., "perplexity": ..., "tokens": ...}.
 """
 
-import functools
 import json
 import math
 import sys
@@ -50,14 +49,11 @@ def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
     cfg = config.parse_or_exit("trainer.eval", FLAGS, argv)
     try:
-        if not cfg.checkpoint:
-            raise config.ConfigError("--checkpoint is required: a meshlm checkpoint or HF dir")
-        model, params, tokenizer_spec = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                              cfg.dtype)
+        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
+                                                         cfg.dtype)
         if cfg.seq_len > model.cfg.max_position_embeddings:
             raise config.ConfigError(f"--seq_len={cfg.seq_len} is longer than the model's "
                                      f"max_position_embeddings={model.cfg.max_position_embeddings}")
-        tokenizer = data.load_tokenizer(tokenizer_spec)
         data_cfg = ConfigDict(dict(path=cfg.data, format=cfg.format, text_field=cfg.text_field,
                                    messages_field=cfg.messages_field, split=cfg.split,
                                    val_fraction=0.0, cache_dir=cfg.cache_dir))

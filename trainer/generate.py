@@ -13,7 +13,7 @@ from absl import logging as absl_logging
 import jax.numpy as jnp
 import numpy as np
 
-from trainer import checkpoint, config, data
+from trainer import checkpoint, config
 from trainer.model import init_kv_cache
 
 FLAGS = {
@@ -107,11 +107,8 @@ def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
     cfg = config.parse_or_exit("trainer.generate", FLAGS, argv)
     try:
-        if not cfg.checkpoint:
-            raise config.ConfigError("--checkpoint is required: a meshlm checkpoint or HF dir")
-        model, params, tokenizer_spec = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                              cfg.dtype)
-        tokenizer = data.load_tokenizer(tokenizer_spec)
+        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
+                                                         cfg.dtype)
         texts = cfg.prompt.split(cfg.prompt_sep) if cfg.prompt_sep else [cfg.prompt]
         if cfg.chat:
             prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}])

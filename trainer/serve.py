@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from absl import logging as absl_logging
 
-from trainer import checkpoint, config, data
+from trainer import checkpoint, config
 from trainer.generate import generate
 
 FLAGS = {
@@ -158,11 +158,8 @@ def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)
     cfg = config.parse_or_exit("trainer.serve", FLAGS, argv)
     try:
-        if not cfg.checkpoint:
-            raise config.ConfigError("--checkpoint is required: a meshlm checkpoint or HF dir")
-        model, params, tokenizer_spec = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                              cfg.dtype)
-        tokenizer = data.load_tokenizer(tokenizer_spec)
+        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
+                                                         cfg.dtype)
         server = Server(model, params, tokenizer, cfg.checkpoint.rstrip("/"), cfg.max_new_tokens)
         httpd = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
     except config.UserError as e:
