@@ -287,7 +287,7 @@ def test_convert_round_trip_eval_and_finetune_parity(family_dirs, text_file, tmp
     cfg = train.resolve_config([f"--init_from={ckpt}"])
     assert cfg.model.to_dict() == meta["model"] and cfg.tokenizer == meta["tokenizer"]
     model, abstract = abstract_params(meta["model"])
-    params = train.initial_params(cfg, abstract)
+    params = checkpoint.load_weights(cfg.init_from, cfg.model, abstract)
     q = np.asarray(params["layers_1"]["self_attn"]["q_proj"]["kernel"])
     assert np.array_equal(q, original["model.layers.1.self_attn.q_proj.weight"].T)
 

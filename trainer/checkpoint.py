@@ -149,25 +149,37 @@ def to_json_meta(model_cfg, tokenizer, config):
             "config": json.loads(json.dumps(config.to_dict()))}
 
 
+def model_source(path, tokenizer=""):
+    """A meshlm checkpoint or a Hugging Face model dir -> (model config dict, tokenizer spec).
+    `tokenizer` overrides the saved one."""
+    from trainer import hf
+    if hf.is_hf_dir(path):
+        return hf.model_config_from_hf(path), hf.tokenizer_spec(path, tokenizer)
+    meta, _ = load_meta(path)
+    return meta["model"], tokenizer or meta["tokenizer"]
+
+
+def load_weights(path, model_cfg, abstract_params):
+    """The weights of a meshlm checkpoint or HF model dir, onto abstract_params' shardings."""
+    from trainer import hf
+    if hf.is_hf_dir(path):
+        return hf.load_params(path, model_cfg, abstract_params)
+    return load_params(path, abstract_params)
+
+
 def load_model(path, tokenizer="", dtype="float32"):
     """A meshlm checkpoint or a Hugging Face model dir -> (model, params, tokenizer), on one
     device, for eval, generate and serve. `tokenizer` overrides the saved one."""
-    from trainer import data, hf
+    from trainer import data
     from trainer.model import build_model
 
     if not path:
         raise CheckpointError("--checkpoint is required: a meshlm checkpoint or HF model dir")
-    from_hf = hf.is_hf_dir(path)
-    if from_hf:
-        model_cfg, tokenizer = hf.model_config_from_hf(path), hf.tokenizer_spec(path, tokenizer)
-    else:
-        meta, _ = load_meta(path)
-        model_cfg, tokenizer = meta["model"], tokenizer or meta["tokenizer"]
+    model_cfg, tokenizer = model_source(path, tokenizer)
     model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
                                                jax.numpy.zeros((1, 1), "int32")))["params"]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             shapes)
-    params = hf.load_params(path, model_cfg, abstract) if from_hf else load_params(path, abstract)
-    return model, params, data.load_tokenizer(tokenizer)
+    return model, load_weights(path, model_cfg, abstract), data.load_tokenizer(tokenizer)

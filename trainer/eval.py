@@ -5,6 +5,7 @@ model dir. Every document of D is scored (no held-out split is taken). The last
 line printed is JSON: {"loss": ..., "perplexity": ..., "tokens": ...}.
 """
 
+import functools
 import json
 import math
 import sys
@@ -14,7 +15,7 @@ from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from trainer import checkpoint, config, data
-from trainer.model import cross_entropy
+from trainer.model import batch_loss
 
 FLAGS = {
     "checkpoint": ("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) or HF dir"),
@@ -34,8 +35,7 @@ FLAGS = {
 
 def evaluate(model, params, dataset, batch_size, max_batches=0):
     """Token-weighted mean loss over the dataset's rows -> (loss, tokens)."""
-    score = jax.jit(lambda p, b: cross_entropy(model.apply({"params": p}, b["inputs"]),
-                                               b["targets"], b["loss_mask"]))
+    score = jax.jit(functools.partial(batch_loss, model))
     loss_sum, tokens = 0.0, 0.0
     for i, batch in enumerate(dataset.eval_batches(batch_size)):
         if max_batches and i >= max_batches:

@@ -267,6 +267,12 @@ def flops_per_token(cfg, seq_len):
     return 6 * matmul_params + 3 * attention
 
 
+def batch_loss(model, params, batch):
+    """Summed loss and target count of a batch {'inputs', 'targets', 'loss_mask'}."""
+    logits = model.apply({"params": params}, batch["inputs"])
+    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+
 def cross_entropy(logits, targets, mask):
     """Summed next-token loss over positions where mask is 1, and how many there were.
 

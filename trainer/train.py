@@ -25,7 +25,7 @@ import optax
 from tqdm import tqdm
 
 from trainer import checkpoint, config, data, optim, sharding
-from trainer.model import DTYPES, build_model, cross_entropy, flops_per_token
+from trainer.model import DTYPES, batch_loss, build_model, flops_per_token
 
 # Peak dense bf16 TFLOP/s per device, for MFU, by a part of jax's device_kind (the longest
 # match wins: "TPU v5 lite" is a v5e, "TPU v5" a v5p). Override with --peak_tflops.
@@ -50,8 +50,7 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
                        jnp.nan, 1.0) if nan_steps else 1.0
 
     def micro_loss(params, micro):
-        logits = model.apply({"params": params}, micro["inputs"])
-        loss_sum, n = cross_entropy(logits, micro["targets"], micro["loss_mask"])
+        loss_sum, n = batch_loss(model, params, micro)
         return loss_sum * poison, n
 
     def accumulate(carry, micro):
@@ -106,11 +105,6 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
     return new_state, metrics
 
 
-def eval_step(params, batch, *, model):
-    logits = model.apply({"params": params}, batch["inputs"])
-    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
-
-
 def init_state(rng, *, model, optimizer, seq_len):
     params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
     return fresh_state(params, optimizer, rng)
@@ -128,17 +122,12 @@ def resolve_config(argv):
     cfg = config.parse_flags(argv)
     if cfg.init_from:
         from trainer import hf
-        if hf.is_hf_dir(cfg.init_from):
-            base = hf.model_config_from_hf(cfg.init_from)
-            tokenizer = hf.tokenizer_spec(cfg.init_from, cfg.tokenizer)
-        elif checkpoint.is_checkpoint(cfg.init_from):
-            meta, _ = checkpoint.load_meta(cfg.init_from)
-            base, tokenizer = meta["model"], meta["tokenizer"]
-        else:
+        if not hf.is_hf_dir(cfg.init_from) and not checkpoint.is_checkpoint(cfg.init_from):
             raise config.ConfigError(f"--init_from: '{cfg.init_from}' is neither a Hugging Face "
                                      "model dir (with config.json) nor a meshlm checkpoint")
+        base, tokenizer = checkpoint.model_source(cfg.init_from, cfg.tokenizer)
         cfg = config.parse_flags(argv, base_model=base)
-        cfg.tokenizer = cfg.tokenizer or tokenizer
+        cfg.tokenizer = tokenizer  # --tokenizer if given, else the source's
     cfg.tokenizer = cfg.tokenizer or "bytes"
     if cfg.push_to_hub and not cfg.export_hf:
         raise config.ConfigError("--push_to_hub uploads the --export_hf dir; pass "
@@ -159,14 +148,6 @@ def resolve_config(argv):
         if cfg[name] < 1:
             raise config.ConfigError(f"--{name} must be at least 1, got {cfg[name]}")
     return cfg
-
-
-def initial_params(cfg, abstract_params):
-    """Weights from --init_from (HF dir or checkpoint), placed onto abstract_params' shardings."""
-    from trainer import hf
-    if hf.is_hf_dir(cfg.init_from):
-        return hf.load_params(cfg.init_from, cfg.model, abstract_params)
-    return checkpoint.load_params(cfg.init_from, abstract_params)
 
 
 def peak_tflops(cfg):
@@ -310,7 +291,7 @@ class Trainer:
                               nan_steps=parse_nan_steps(cfg.debug_nan_steps)),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_fn = jax.jit(functools.partial(eval_step, model=self.model),
+        self.eval_fn = jax.jit(functools.partial(batch_loss, self.model),
                                in_shardings=(self.state_shardings["params"], self.batch_sharding))
 
     def fresh_state(self, params=None):
@@ -368,7 +349,8 @@ def _run(cfg, stop):
         else:
             start = 0
             if cfg.init_from:
-                state = trainer.fresh_state(initial_params(cfg, abstract_state["params"]))
+                state = trainer.fresh_state(checkpoint.load_weights(
+                    cfg.init_from, cfg.model, abstract_state["params"]))
             else:
                 state = trainer.fresh_state()
 
