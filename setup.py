@@ -13,10 +13,10 @@ setup(
         "flax>=0.12",
         "optax>=0.2.8",
         "orbax-checkpoint>=0.12",
-        "ml_collections>=1.1",
         "absl-py",
         "transformers==5.24.0",
         "tokenizers",
+        "jinja2",  # chat templates (transformers renders them with it, but does not require it)
         "sentencepiece",
         "safetensors",
         "huggingface_hub",
@@ -25,6 +25,7 @@ setup(
         "tqdm",
         "datasets",
         "numpy",
+        "ml_dtypes",
     ],
     extras_require={
         "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator"],

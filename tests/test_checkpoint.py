@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, cli_env, run_cli
-from trainer import checkpoint, config, optim, train
+from trainer import checkpoint, optim, train
 
 STEPS = 12
 SMALL = ["--seq_len=32", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_every=0",
@@ -278,7 +278,7 @@ def test_nan_steps_are_skipped_then_the_run_stops_naming_the_last_good_checkpoin
 
 @pytest.fixture(scope="module")
 def step_parts():
-    cfg = config.parse_flags(["--seq_len=16", "--model.num_hidden_layers=1",
+    cfg = train.resolve_config(["--seq_len=16", "--model.num_hidden_layers=1",
                               "--optimizer.warmup_steps=0"])
     model = train.build_model(cfg.model)
     optimizer, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)

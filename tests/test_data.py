@@ -1,4 +1,5 @@
-"""trainer/data.py: tokenizers, sources, cache, packing, masks and the batch for step k."""
+"""trainer/data.py and trainer/tokenizer.py: tokenizers, sources, cache, packing, masks and
+the batch for step k."""
 import hashlib
 import json
 import os
@@ -6,13 +7,14 @@ import re
 import subprocess
 import sys
 import tempfile
-import types
 
 import fsspec
 import numpy as np
 import pytest
 
 from trainer import data
+from trainer.config import DataConfig
+from trainer.tokenizer import SentencePieceTokenizer, TokenizerError, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -27,9 +29,7 @@ CONVERSATIONS = [
 
 
 def cfg(tmp_path, **kw):
-    base = dict(path="builtin", format="text", text_field="text", messages_field="messages", split="train",
-                val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
-    return types.SimpleNamespace(**(base | kw))
+    return DataConfig(**({"cache_dir": str(tmp_path / "cache")} | kw))
 
 
 def write_jsonl(path, rows):
@@ -82,7 +82,7 @@ TEXT = "Hello, world!\nThe quick brown fox -- ü, 日本 and 🙂."
 
 
 def test_bytes_tokenizer_round_trips():
-    tok = data.load_tokenizer("bytes")
+    tok = load_tokenizer("bytes")
     ids = tok.encode(TEXT)
     assert ids == list(TEXT.encode("utf-8")) and tok.decode(ids) == TEXT
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.name) == (259, 256, 257, 258, "bytes")
@@ -90,8 +90,8 @@ def test_bytes_tokenizer_round_trips():
 
 
 def test_sentencepiece_tokenizer_round_trips(sp_model):
-    tok = data.load_tokenizer(sp_model)
-    assert isinstance(tok, data.SentencePieceTokenizer) and tok.name == sp_model and tok.vocab_size == 400
+    tok = load_tokenizer(sp_model)
+    assert isinstance(tok, SentencePieceTokenizer) and tok.name == sp_model and tok.vocab_size == 400
     ids = tok.encode(TEXT)
     assert tok.decode(ids) == TEXT and max(ids) < tok.vocab_size
     assert tok.eos_id >= 0 and tok.bos_id is not None and tok.eos_id not in ids
@@ -100,7 +100,7 @@ def test_sentencepiece_tokenizer_round_trips(sp_model):
 
 def test_hf_tokenizer_round_trips(hf_dir):
     for spec in (hf_dir, os.path.join(hf_dir, "tokenizer.json")):
-        tok = data.load_tokenizer(spec)
+        tok = load_tokenizer(spec)
         ids = tok.encode(TEXT)
         assert tok.decode(ids) == TEXT and max(ids) < tok.vocab_size
         assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 4, 2) and tok.eos_id not in ids
@@ -113,14 +113,14 @@ def test_hf_tokenizer_from_a_remote_url(hf_dir, tmp_path, monkeypatch):
     fs = fsspec.filesystem("memory")
     for name in os.listdir(hf_dir):
         fs.pipe(f"/tok/{name}", open(os.path.join(hf_dir, name), "rb").read())
-    tok = data.load_tokenizer("memory://tok")
+    tok = load_tokenizer("memory://tok")
     assert tok.decode(tok.encode(TEXT)) == TEXT and tok.name == "memory://tok"
 
 
 def test_unknown_tokenizer_spec(tmp_path):
     for spec in ("foo", str(tmp_path / "missing.model"), str(tmp_path)):
-        with pytest.raises(data.DataError, match=r"--tokenizer: .* is not 'bytes', a Hugging Face"):
-            data.load_tokenizer(spec)
+        with pytest.raises(TokenizerError, match=r"--tokenizer: .* is not 'bytes', a Hugging Face"):
+            load_tokenizer(spec)
 
 
 # ------------------------------------------------------------------ batches for step k
@@ -128,7 +128,7 @@ def test_unknown_tokenizer_spec(tmp_path):
 @pytest.fixture(scope="module")
 def builtin(tmp_path_factory):
     c = cfg(tmp_path_factory.mktemp("builtin"))
-    return c, data.load_dataset(c, data.load_tokenizer("bytes"), seq_len=64)
+    return c, data.load_dataset(c, load_tokenizer("bytes"), seq_len=64)
 
 
 def test_batch_is_a_pure_function_of_seed_and_step(builtin):
@@ -137,11 +137,11 @@ def test_batch_is_a_pure_function_of_seed_and_step(builtin):
     assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
         "inputs": ((8, 64), np.int32), "targets": ((8, 64), np.int32), "loss_mask": ((8, 64), np.float32)}
     assert digest(b) == digest(train.batch(3, 8, seed=1))
-    fresh, _ = data.load_dataset(c, data.load_tokenizer("bytes"), seq_len=64)
+    fresh, _ = data.load_dataset(c, load_tokenizer("bytes"), seq_len=64)
     assert digest(b) == digest(fresh.batch(3, 8, seed=1))
     # ... and in another process, with its own permutation cache.
-    code = (f"import hashlib, types; from trainer import data; c = types.SimpleNamespace(**{vars(c)!r}); "
-            "b = data.load_dataset(c, data.load_tokenizer('bytes'), 64)[0].batch(3, 8, seed=1); "
+    code = (f"import hashlib; from trainer import data, config, tokenizer; c = config.{c!r}; "
+            "b = data.load_dataset(c, tokenizer.load_tokenizer('bytes'), 64)[0].batch(3, 8, seed=1); "
             "print(hashlib.sha256(b''.join(b[k].tobytes() for k in sorted(b))).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == digest(b)
@@ -170,7 +170,7 @@ def test_every_row_once_per_epoch(builtin):
 def test_targets_are_inputs_shifted_and_eos_separates_documents(tmp_path):
     docs = [f"document number {i} " + "words " * (i % 5) for i in range(40)]
     c = cfg(tmp_path, path=write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs]), val_fraction=0)
-    tok = data.load_tokenizer("bytes")
+    tok = load_tokenizer("bytes")
     train, val = data.load_dataset(c, tok, seq_len=32)
     assert val.num_rows == 0
     stream = np.concatenate([[tok.bos_id, *tok.encode(d), tok.eos_id] for d in docs])
@@ -185,7 +185,7 @@ def test_txt_glob_is_one_document_per_file(tmp_path):
     for i in range(3):
         (tmp_path / f"f{i}.txt").write_text(f"file {i}\n\nsecond paragraph {i}\n")
     c = cfg(tmp_path, path=str(tmp_path / "f*.txt"), val_fraction=0)
-    train, _ = data.load_dataset(c, data.load_tokenizer("bytes"), seq_len=8)
+    train, _ = data.load_dataset(c, load_tokenizer("bytes"), seq_len=8)
     text = bytes(train.rows.reshape(-1)[train.rows.reshape(-1) < 256].tolist()).decode()
     assert text.startswith("file 0\n\nsecond paragraph 0\nfile 1")
     assert (train.rows == 257).sum() == 2  # EOS after each document (the third falls in the dropped tail)
@@ -195,7 +195,7 @@ def test_txt_glob_is_one_document_per_file(tmp_path):
 
 def test_second_load_uses_the_cache(tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i} " * 20} for i in range(30)])
-    c, tok = cfg(tmp_path, path=path), data.load_tokenizer("bytes")
+    c, tok = cfg(tmp_path, path=path), load_tokenizer("bytes")
     first = data.load_dataset(c, tok, seq_len=16)
     assert [p.name for p in (tmp_path / "cache").iterdir()][0].endswith(".npz")
     assert len(list((tmp_path / "cache").iterdir())) == 1  # no temp file left behind
@@ -218,16 +218,16 @@ def test_remote_source_and_cache(tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/corpus/a.jsonl", "".join(json.dumps({"text": f"remote {i} " * 9}) + "\n" for i in range(20)).encode())
     c = cfg(tmp_path, path="memory://corpus/*.jsonl", cache_dir="memory://cache")
-    train, val = data.load_dataset(c, data.load_tokenizer("bytes"), seq_len=16)
+    train, val = data.load_dataset(c, load_tokenizer("bytes"), seq_len=16)
     assert [p for p in fs.ls("/cache", detail=False) if p.endswith(".npz")] == fs.ls("/cache", detail=False)
-    again, _ = data.load_dataset(c, data.load_tokenizer("bytes"), seq_len=16)
+    again, _ = data.load_dataset(c, load_tokenizer("bytes"), seq_len=16)
     np.testing.assert_array_equal(train.rows, again.rows)
 
 
 def test_validation_documents_are_held_out(tmp_path):
     docs = [{"text": f"<doc{i:03d}> " + "filler " * 7} for i in range(60)]
     c = cfg(tmp_path, path=write_jsonl(tmp_path / "d.jsonl", docs), val_fraction=0.1)
-    tok = data.load_tokenizer("bytes")
+    tok = load_tokenizer("bytes")
     train, val = data.load_dataset(c, tok, seq_len=16)
 
     def doc_ids(ds):
@@ -262,7 +262,7 @@ def assistant_spans(ds):
 
 @pytest.mark.parametrize("which", ["bytes", "hf"])
 def test_chat_loss_mask_covers_only_assistant_turns(tmp_path, which, hf_dir):
-    tok = data.load_tokenizer("bytes" if which == "bytes" else hf_dir)
+    tok = load_tokenizer("bytes" if which == "bytes" else hf_dir)
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
     train, _ = data.load_dataset(cfg(tmp_path, path=path, format="chat", val_fraction=0), tok, seq_len=128)
     want = [m["content"] for conv in CONVERSATIONS for m in conv if m["role"] == "assistant"]
@@ -274,25 +274,25 @@ def test_chat_loss_mask_covers_only_assistant_turns(tmp_path, which, hf_dir):
 
 
 def test_chat_template_that_cannot_be_split_into_turns(tmp_path, hf_dir):
-    tok = data.load_tokenizer(hf_dir)
-    tok._tok.chat_template = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}{% endfor %}"
+    tok = load_tokenizer(hf_dir)
+    tok.chat_template = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}{% endfor %}"
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
     with pytest.raises(data.DataError, match=r"chat.jsonl:1: cannot apply the chat template: .* assistant turns"):
         data.load_dataset(cfg(tmp_path, path=path, format="chat", val_fraction=0), tok, seq_len=128)
 
 
 def test_chat_prompt_for_generation(hf_dir):
-    tok = data.load_tokenizer(hf_dir)
+    tok = load_tokenizer(hf_dir)
     prompt = tok.apply_chat_template(CONVERSATIONS[1][:1])
     assert prompt[0] == tok.bos_id and tok._tok.decode(prompt).endswith("<|im_start|>assistant\n")
-    byte_prompt = data.load_tokenizer("bytes").apply_chat_template(CONVERSATIONS[1][:1])
+    byte_prompt = load_tokenizer("bytes").apply_chat_template(CONVERSATIONS[1][:1])
     assert bytes(byte_prompt[1:]).decode() == "<|user|>\nName a colour.\n<|assistant|>\n"
 
 
 # ----------------------------------------------------------------------------- errors
 
 def load(tmp_path, seq_len=16, **kw):
-    return data.load_dataset(cfg(tmp_path, **kw), data.load_tokenizer("bytes"), seq_len=seq_len)
+    return data.load_dataset(cfg(tmp_path, **kw), load_tokenizer("bytes"), seq_len=seq_len)
 
 
 def test_error_messages(tmp_path):
@@ -328,6 +328,6 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     with pytest.raises(data.DataError, match=r"--data.text_field: dataset .* no column 'text' \(columns: content, n\)"):
         load(tmp_path, path=str(tmp_path / "ds"))
     train, val = load(tmp_path, path=str(tmp_path / "ds"), text_field="content", val_fraction=0.1)
-    tok = data.load_tokenizer("bytes")
+    tok = load_tokenizer("bytes")
     text = tok.decode(np.concatenate([train.rows.reshape(-1), val.rows.reshape(-1)]))
     assert sum(t in text for t in texts) >= 29 and val.num_rows > 0

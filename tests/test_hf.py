@@ -1,8 +1,8 @@
 """trainer/hf.py and trainer/convert.py against transformers (torch on CPU) as the oracle.
 
-Random tiny HF models of each supported family are built offline; meshlm must give the
-same logits after import, transformers the same logits after export, a round trip the
-same bits, and eval / a first training step the same loss as transformers.
+Random tiny HF models of every family (tests/tiny_hf.py) are built offline; meshlm must
+give the same logits after import, transformers the same logits after export, a round
+trip the same bits, and eval / a first training step the same loss as transformers.
 """
 
 import json
@@ -17,8 +17,11 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from trainer import checkpoint, config, convert, data, hf, sharding, train
-from trainer.train import build_model
+from tiny_hf import CHATML, COMMON, FAMILIES, hf_tensors, make_hf_dir, torch_logits
+from trainer import checkpoint, config, convert, data, flags, hf, loading, sharding, train
+from trainer.families import ModelConfig
+from trainer.model import build_model
+from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE, ByteTokenizer, load_tokenizer
 
 try:  # the GCS emulator fixture, for the gs:// round trip
     import test_gcs
@@ -26,79 +29,19 @@ try:  # the GCS emulator fixture, for the gs:// round trip
 except ImportError:
     test_gcs = None
 
-CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, max_position_embeddings=256)
-FAMILIES = {
-    "llama_gqa": (transformers.LlamaConfig, dict(
-        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
-    # original_max_position_embeddings=32 puts the scaling band inside head_dim 16's
-    # wavelengths, so llama3 scaling really changes the frequencies.
-    "llama3_tied": (transformers.LlamaConfig, dict(
-        num_key_value_heads=2, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "llama_untied_bias": (transformers.LlamaConfig, dict(
-        num_key_value_heads=4, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5)),
-    "mistral": (transformers.MistralConfig, dict(
-        num_key_value_heads=2, head_dim=24, sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen2": (transformers.Qwen2Config, dict(
-        num_key_value_heads=2, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-}
-TOL = 1e-4
+TOL = 1e-5
 
 
-def randomize(model, seed):
-    """Every weight random (norms near 1), so that a swapped or misplaced tensor shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-
-
-def make_hf_dir(path, family, seed=0, tokenizer=True):
-    cls, kw = FAMILIES[family]
-    torch.manual_seed(seed)
-    cfg = cls(**COMMON, **kw, bos_token_id=256, eos_token_id=257, pad_token_id=258)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, seed)
-    model.save_pretrained(path)
-    if tokenizer:
-        tok = hf._byte_tokenizer()
-        tok.chat_template = CHATML
-        tok.save_pretrained(path)
-    return model
-
-
-def torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
-
-
-def hf_tensors(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="numpy") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
-def abstract_params(model_cfg, shardings_for=None, dtype=jnp.float32):
-    """ShapeDtypeStructs of the model's params on one device, or on a mesh's shardings."""
+def abstract_params(model_cfg, mesh=None):
+    """The model and its params' ShapeDtypeStructs, on one device or on a mesh's shardings."""
     model = build_model(model_cfg)
+    if mesh is None:
+        return model, loading.abstract_params(
+            model, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
                                                jnp.zeros((1, 1), jnp.int32)))["params"]
-    if shardings_for is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype,
-                                                                  sharding=device), shapes)
-    shardings = sharding.state_shardings(shapes, shardings_for)
-    return model, checkpoint.abstract_with_shardings(shapes, shardings)
+    shardings = sharding.state_shardings(shapes, mesh, sharding.param_rules(model_cfg, mesh))
+    return model, loading.abstract_params(model, shardings)
 
 
 def masked_loss(logits, targets, mask):
@@ -126,9 +69,9 @@ def test_import_and_export_logits_match_transformers(family, family_dirs, tokens
     path, torch_model = family_dirs[family]
     expected = torch_logits(torch_model, tokens)
     model_cfg = hf.model_config_from_hf(path)
-    assert model_cfg["model_type"] == family.split("_")[0].replace("llama3", "llama")
+    assert model_cfg.family.config_class == FAMILIES[family][0].__name__
     # Imported straight onto an 8-device dp,fsdp,tp = 1,4,2 mesh: every slice path is used.
-    mesh = sharding.make_mesh("1,4,2", config.ConfigDict(model_cfg))
+    mesh = sharding.make_mesh("1,4,2", model_cfg)
     model, abstract = abstract_params(model_cfg, mesh)
     params = hf.load_params(path, model_cfg, abstract)
     assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(abstract)[0].sharding
@@ -140,11 +83,11 @@ def test_import_and_export_logits_match_transformers(family, family_dirs, tokens
     hf.export(params, model_cfg, path, out, max_shard_size="40KB")  # several shards
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == hf.ARCHITECTURES[model_cfg["model_type"]]
+    assert type(reloaded).__name__ == model_cfg.family.architecture
     print(f"{family}: export max|logits diff| {np.abs(torch_logits(reloaded, tokens) - ours).max():.2e}")
     assert np.abs(torch_logits(reloaded, tokens) - ours).max() < TOL
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template == CHATML and tok.eos_token_id == 257
+    assert tok.chat_template == CHATML and tok.eos_token_id == torch_model.config.eos_token_id
     assert hf.model_config_from_hf(out) == model_cfg
 
 
@@ -212,9 +155,10 @@ def test_remote_paths_stage_through_local_files(family_dirs, tokens):
 def test_bytes_tokenizer_exports_as_an_equivalent_hf_tokenizer(tmp_path):
     hf.save_tokenizer("bytes", str(tmp_path))
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    ours = data.ByteTokenizer()
+    ours = ByteTokenizer()
     text = "Grüße, 日本!\n\n  tabs\tand <|user|> tags"
     assert tok.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert tok(text)["input_ids"] == ours.encode_text(text) == [256] + ours.encode(text)
     assert tok.decode(ours.encode(text)) == text
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
     chat = [{"role": "user", "content": "Hi ü"}, {"role": "assistant", "content": "Hello"},
@@ -239,7 +183,7 @@ def test_sentencepiece_model_exports_as_hf_tokenizer(tmp_path):
     sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
     for text in ["Hello world, this is a test.", "def f(x):\n    return x ü 日本"]:
         assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
-    assert tok.chat_template == hf.BUILTIN_CHAT_TEMPLATE
+    assert tok.chat_template == BUILTIN_CHAT_TEMPLATE
 
 
 # ------------------------------------------------------------------ the command line
@@ -282,20 +226,18 @@ def test_convert_round_trip_eval_and_finetune_parity(family_dirs, text_file, tmp
 
     # The converted checkpoint is a self-contained meshlm checkpoint.
     meta, step = checkpoint.load_meta(ckpt)
-    assert step == 0 and meta["model"] == hf.model_config_from_hf(path)
-    assert meta["tokenizer"].startswith(ckpt) and data.load_tokenizer(meta["tokenizer"])
+    assert step == 0 and meta["model"] == hf.model_config_from_hf(path).to_dict()
+    assert meta["tokenizer"].startswith(ckpt) and load_tokenizer(meta["tokenizer"])
     cfg = train.resolve_config([f"--init_from={ckpt}"])
     assert cfg.model.to_dict() == meta["model"] and cfg.tokenizer == meta["tokenizer"]
-    model, abstract = abstract_params(meta["model"])
-    params = checkpoint.load_weights(cfg.init_from, cfg.model, abstract)
+    model, abstract = abstract_params(cfg.model)
+    params = loading.load_weights(cfg.init_from, cfg.model, abstract)
     q = np.asarray(params["layers_1"]["self_attn"]["q_proj"]["kernel"])
     assert np.array_equal(q, original["model.layers.1.self_attn.q_proj.weight"].T)
 
     # Eval on the checkpoint == transformers' loss on the same rows.
-    tok = data.load_tokenizer(path)
-    dcfg = config.ConfigDict(dict(path=text_file, format="text", text_field="text",
-                                  messages_field="messages", split="train", val_fraction=0.0,
-                                  cache_dir=str(tmp_path / "cache")))
+    tok = load_tokenizer(path)
+    dcfg = config.DataConfig(path=text_file, val_fraction=0.0, cache_dir=str(tmp_path / "cache"))
     dataset, _ = data.load_dataset(dcfg, tok, 32)
     total, count = 0.0, 0.0
     for batch in dataset.eval_batches(4):
@@ -309,7 +251,7 @@ def test_convert_round_trip_eval_and_finetune_parity(family_dirs, text_file, tmp
 
     # Fine-tune: the step-1 loss is transformers' loss on the first batch.
     cfg = train.resolve_config(argv)
-    train_data, _ = data.load_dataset(cfg.data, data.load_tokenizer(cfg.tokenizer), cfg.seq_len)
+    train_data, _ = data.load_dataset(cfg.data, load_tokenizer(cfg.tokenizer), cfg.seq_len)
     batch = train_data.batch(0, cfg.batch_size, cfg.seed)
     s, n = masked_loss(torch_logits(torch_model, batch["inputs"]), batch["targets"],
                        batch["loss_mask"])
@@ -320,7 +262,7 @@ def test_convert_round_trip_eval_and_finetune_parity(family_dirs, text_file, tmp
 
     # --export_hf wrote the trained weights: exactly the final checkpoint's.
     meta, _ = checkpoint.load_meta(run_dir)
-    _, abstract = abstract_params(meta["model"])
+    _, abstract = abstract_params(ModelConfig.from_dict(meta["model"]))
     trained = checkpoint.load_params(run_dir, abstract)
     exported = hf_tensors(export)
     assert np.array_equal(exported["model.layers.0.mlp.down_proj.weight"],
@@ -347,7 +289,7 @@ def test_push_to_hub_uploads_the_export(family_dirs, tmp_path, monkeypatch):
     mngr = checkpoint.manager(checkpoint.checkpoint_dir(ckpt), async_save=False)
     checkpoint.save(mngr, 3, {"params": hf.load_params(path, model_cfg, abstract),
                               "step": jnp.int32(3)},
-                    {"model": model_cfg, "tokenizer": path, "config": {}})
+                    {"model": model_cfg.to_dict(), "tokenizer": path, "config": {}})
     mngr.wait_until_finished()
     convert.main([f"--input={ckpt}", f"--output={out}", "--push_to_hub=me/tiny", "--dtype=bf16"])
     assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
@@ -384,13 +326,26 @@ def test_errors_name_the_problem(family_dirs, tmp_path, capsys):
                                          "LlamaForCausalLM.*MistralForCausalLM.*Qwen2"):
         hf.model_config_from_hf(_rewrite_config(llama, str(tmp_path / "gpt2"), model_type="gpt2",
                                                 architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(hf.HFError, match="hidden_act='gelu' is not supported"):
-        hf.model_config_from_hf(_rewrite_config(llama, str(tmp_path / "gelu"), hidden_act="gelu"))
-    with pytest.raises(hf.HFError, match="rope_type='yarn' is not supported"):
-        hf.model_config_from_hf(_rewrite_config(llama, str(tmp_path / "yarn"), rope_parameters={
-            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
-    with pytest.raises(hf.HFError, match="sliding_window=64 is in effect"):
-        hf.model_config_from_hf(_rewrite_config(mistral, str(tmp_path / "sw"), sliding_window=64))
+    with pytest.raises(hf.HFError, match=r"config.json: model.hidden_act: expected one of "
+                                         r"silu, gelu, gelu_pytorch_tanh, got \"relu\""):
+        hf.model_config_from_hf(_rewrite_config(llama, str(tmp_path / "relu"), hidden_act="relu"))
+    with pytest.raises(hf.HFError, match="rope_type='dynamic' is not supported"):
+        hf.model_config_from_hf(_rewrite_config(llama, str(tmp_path / "dyn"), rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}))
+    with pytest.raises(hf.HFError, match="partial_rotary_factor != 1 is not supported"):
+        hf.model_config_from_hf(_rewrite_config(mistral, str(tmp_path / "partial"),
+                                                partial_rotary_factor=0.5))
+    # A config the family's HF class cannot express is refused before anything is written.
+    windowed = ModelConfig(model_type="llama", hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=4, sliding_window=16)
+    with pytest.raises(hf.HFError, match="cannot export as LlamaForCausalLM: LlamaForCausalLM "
+                                         "has no sliding-window attention"):
+        hf.hf_config(windowed, "float32")
+    mixed = ModelConfig(model_type="mistral", hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=4, num_hidden_layers=2, sliding_window=16,
+                        layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(hf.HFError, match="MistralForCausalLM applies one sliding window"):
+        hf.hf_config(mixed, "float32")
 
     wide = _rewrite_config(llama, str(tmp_path / "wide"), intermediate_size=128)
     model_cfg = hf.model_config_from_hf(wide)
@@ -421,7 +376,7 @@ def test_errors_name_the_problem(family_dirs, tmp_path, capsys):
     convert.main([f"--input={ckpt}", f"--output={tmp_path / 'y'}", "--tokenizer=bytes"])
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "y")).eos_token_id == 257
 
-    with pytest.raises(config.ConfigError, match="--push_to_hub .*--export_hf"):
+    with pytest.raises(flags.ConfigError, match="--push_to_hub .*--export_hf"):
         train.resolve_config(["--push_to_hub=me/tiny"])
     with pytest.raises(SystemExit, match="--push_to_hub uploads an HF model dir"):
         convert.main([f"--input={llama}", f"--output={tmp_path / 'z'}", "--push_to_hub=me/x"])

@@ -1,4 +1,5 @@
-"""The model against independent oracles: numpy RoPE, causality, the KV cache, param counts."""
+"""The model against independent oracles: numpy RoPE, causality, the KV cache, sliding
+windows, param counts."""
 
 import math
 
@@ -7,16 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.config import MODEL_PRESETS, model_config
+from trainer.families import FAMILIES, PRESETS, ModelConfig, RopeScaling
 from trainer.generate import generate
-from trainer.model import (apply_rope, build_model, count_params, cross_entropy, init_kv_cache,
-                           rope_inv_freq)
+from trainer.model import apply_rope, build_model, cross_entropy, init_kv_cache, rope_frequencies
 
 
 def tiny(**overrides):
-    cfg = model_config("tiny")
-    cfg.update(overrides)
-    return cfg
+    """The tiny preset with some fields changed (derived fields follow them)."""
+    fields = {"model_type": "llama", **FAMILIES["llama"].presets["tiny"], **overrides}
+    return ModelConfig(**fields)
 
 
 def init(cfg, seq_len=16, **kw):
@@ -39,15 +39,17 @@ def test_rope_matches_numpy(theta):
     cfg = tiny(rope_theta=theta)
     x = np.random.default_rng(0).standard_normal((2, 7, 3, 32)).astype(np.float32)
     positions = np.array([np.arange(7), np.arange(100, 107)])
-    ours = apply_rope(jnp.asarray(x), jnp.asarray(positions), rope_inv_freq(cfg))
+    ours = apply_rope(jnp.asarray(x), jnp.asarray(positions),
+                      rope_frequencies(cfg, "full_attention")[0])
     np.testing.assert_allclose(np.asarray(ours), numpy_rope(x, positions, theta), atol=2e-4)
 
 
 def test_llama3_rope_scaling_matches_formula():
-    cfg = tiny(head_dim=64, rope_theta=500000.0)
-    cfg.rope_scaling.update(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                            high_freq_factor=4.0, original_max_position_embeddings=64)
-    ours = rope_inv_freq(cfg)
+    cfg = tiny(head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))
+    ours, scale = rope_frequencies(cfg, "full_attention")
+    assert scale == 1.0
     for i, base in enumerate(500000.0 ** (-np.arange(0, 64, 2) / 64)):
         wavelength = 2 * math.pi / base
         if wavelength < 64 / 4.0:  # high frequencies: unchanged
@@ -126,23 +128,26 @@ def test_batched_greedy_generation_matches_recompute():
 
 @pytest.mark.parametrize("name,published", [
     ("llama2_7b", 6.74e9), ("llama3_8b", 8.03e9), ("llama3.2_1b", 1.24e9),
-    ("mistral_7b", 7.25e9), ("qwen2.5_0.5b", 0.494e9)])
+    ("mistral_7b", 7.25e9), ("qwen2.5_0.5b", 0.494e9), ("qwen3_0.6b", 0.44e9),
+    ("gemma3_1b", 1.0e9)])
 def test_preset_shapes_have_published_sizes(name, published):
-    cfg = model_config(name)
+    cfg = PRESETS[name]
     shapes = jax.eval_shape(lambda: build_model(cfg).init(
         jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     actual = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    assert actual == count_params(cfg)
+    assert actual == cfg.num_params()
+    if name == "qwen3_0.6b":  # published as 0.44B without the (tied) embedding
+        actual -= cfg.vocab_size * cfg.hidden_size
     assert actual == pytest.approx(published, rel=0.01)
 
 
 def test_all_presets_listed():
-    assert set(MODEL_PRESETS) >= {"tiny", "llama2_7b", "llama3_8b", "llama3.2_1b", "mistral_7b",
-                                  "qwen2.5_0.5b"}
+    assert set(PRESETS) >= {"tiny", "llama2_7b", "llama3_8b", "llama3.2_1b", "mistral_7b",
+                            "qwen2.5_0.5b", "qwen3_0.6b", "gemma3_1b"}
 
 
 def test_qwen_bias_and_tied_embeddings():
-    cfg = tiny(qkv_bias=True, tie_word_embeddings=True)
+    cfg = tiny(model_type="qwen2", tie_word_embeddings=True)
     _, params = init(cfg)
     attn = params["layers_0"]["self_attn"]
     assert "bias" in attn["q_proj"] and "bias" not in attn["o_proj"]
@@ -168,3 +173,63 @@ def test_remat_and_bf16():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     bf16_loss, _ = loss_and_grad(build_model(cfg, dtype="bfloat16"), params)
     assert float(bf16_loss) == pytest.approx(float(base_loss), rel=2e-2)
+
+
+SLIDING = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+
+
+def test_sliding_window_limits_what_each_layer_sees():
+    """With every layer sliding over W tokens (its own included), token 0 reaches at most
+    L*(W-1) positions ahead: the logits after that are exactly unchanged."""
+    cfg = tiny(sliding_window=4)  # every layer slides (the llama family's default pattern)
+    assert cfg.layer_types == ("sliding_attention",) * 4
+    model, params = init(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (1, 20), 0, 300)
+    base = model.apply({"params": params}, tokens)
+    out = model.apply({"params": params}, tokens.at[:, 0].set((tokens[0, 0] + 1) % 300))
+    reach = cfg.num_hidden_layers * (cfg.sliding_window - 1)  # 12
+    np.testing.assert_array_equal(np.asarray(out[:, reach + 1:]), np.asarray(base[:, reach + 1:]))
+    assert np.abs(np.asarray(out[:, reach] - base[:, reach])).max() > 1e-6
+
+
+def test_sliding_window_kv_cache_decoding_matches_full_recompute():
+    """Past the window, one-token decoding through the cache equals the full forward pass,
+    with sliding and full layers mixed."""
+    cfg = tiny(sliding_window=4, layer_types=SLIDING)
+    model, params = init(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 14), 0, 300)
+    full = model.apply({"params": params}, tokens)
+    cache = init_kv_cache(cfg, 2, 16)
+    logits, cache = model.apply({"params": params}, tokens[:, :3], kv_cache=cache, cache_index=0)
+    steps = [logits]
+    for t in range(3, 14):  # the cache grows to 14 > window 4
+        logits, cache = model.apply({"params": params}, tokens[:, t:t + 1], kv_cache=cache,
+                                    cache_index=t)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+    # ... and batched greedy generation (left padding) equals greedy full recomputation.
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [42, 43]]
+    out = generate(model, params, prompts, eos_id=257, pad_id=258, max_new_tokens=9,
+                   temperature=0)
+    forward = jax.jit(lambda t: model.apply({"params": params}, t))
+    for prompt, new in zip(prompts, out):
+        seq = list(prompt)
+        while len(seq) < len(prompt) + 9:
+            nxt = int(jnp.argmax(forward(jnp.asarray([seq + [0] * (16 - len(seq))]))[0, len(seq) - 1]))
+            if nxt == 257:
+                break
+            seq.append(nxt)
+        assert new == seq[len(prompt):]
+
+
+def test_gemma_switches_change_the_structure():
+    """Gemma's switches add parameters where the paper puts them, (1 + w) norms start at 0."""
+    cfg = tiny(model_type="gemma3_text", hidden_act="gelu_pytorch_tanh", sliding_window=4)
+    assert cfg.layer_types == ("sliding_attention",) * 4  # 4 layers: Gemma's 6-pattern never
+    _, params = init(cfg)
+    layer = params["layers_0"]
+    assert set(layer) == {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                          "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+    assert {"q_norm", "k_norm"} <= set(layer["self_attn"])
+    assert float(jnp.abs(layer["input_layernorm"]["scale"]).max()) == 0.0
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import REPO, cli_env, run_cli
-from trainer import config, data
+from trainer import data, train
+from trainer.tokenizer import load_tokenizer
 
 FLAGS = ["--model=tiny", "--steps=3", "--log_every=1", "--batch_size=16", "--seq_len=64",
          "--eval_batches=2"]
@@ -85,8 +86,8 @@ def test_two_processes_train_exactly_like_one(tmp_path, mesh):
     assert (tmp_path / "multi" / "checkpoints" / "3" / "params").is_dir()
 
     # Each process loaded exactly its half of every global batch, and the right rows.
-    cfg = config.parse_flags(common)
-    dataset, _ = data.load_dataset(cfg.data, data.load_tokenizer("bytes"), cfg.seq_len)
+    cfg = train.resolve_config(common)
+    dataset, _ = data.load_dataset(cfg.data, load_tokenizer("bytes"), cfg.seq_len)
     for i in range(2):
         records = [json.loads(l) for l in open(f"{rows_log}.{i}").read().splitlines()]
         assert [r["step"] for r in records] == [0, 1, 2]

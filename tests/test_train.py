@@ -8,7 +8,11 @@ import shlex
 import pytest
 
 from conftest import REPO, run_cli
-from trainer import config, convert, eval as eval_cli, generate as generate_cli, serve
+from trainer import config, convert, eval as eval_cli, flags, generate as generate_cli, serve
+
+COMMANDS = {"train": config.TrainConfig, "eval": eval_cli.EvalFlags,
+            "generate": generate_cli.GenerateFlags, "convert": convert.ConvertFlags,
+            "serve": serve.ServeFlags}
 
 SMALL = ["--seq_len=64", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_batches=2"]
 
@@ -30,23 +34,82 @@ def readme_commands():
 
 
 def test_readme_opens_with_install_and_test_commands():
+    """The first installs the runtime only and trains; the second, in a new shell, activates
+    that venv, adds the test extra and runs pytest, exactly as .ci/run does."""
     with open(os.path.join(REPO, "README.md")) as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
-    assert 'pip install -e ".[test]"' in blocks[0] and "python -m trainer.train" in blocks[0]
-    test_command = blocks[1].strip()
+    first, second = blocks[0].strip(), blocks[1].strip()
+    assert "pip install -e . " in first + " " and "[test]" not in first
+    assert first.endswith("python -m trainer.train")
+    assert second.startswith(". .venv/bin/activate && ") and 'pip install -e ".[test]"' in second
+    assert second.endswith("python -m pytest -q")
     with open(os.path.join(REPO, ".ci", "run")) as f:
-        assert test_command in f.read().splitlines()
+        assert second in f.read().splitlines()
+
+
+def test_runtime_dependencies_leave_out_torch():
+    """`pip install -e .` must not pull torch (several GB with CUDA): it is a test extra."""
+    import importlib.metadata
+    requires = importlib.metadata.requires("meshlm")
+    runtime = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in runtime if r.lower().startswith("torch")], runtime
+    assert any(r.startswith("torch") and 'extra == "test"' in r for r in requires)
 
 
 def test_every_readme_flag_parses():
-    specs = {"train": config.FLAGS, "eval": eval_cli.FLAGS, "generate": generate_cli.FLAGS,
-             "convert": convert.FLAGS, "serve": serve.FLAGS}
     commands = readme_commands()
     assert sum(module == "train" for module, _ in commands) >= 3
     for module, args in commands:
-        assert module in specs, module
+        assert module in COMMANDS, module
         if args != ["--help"]:
-            config.parse_flags(args, specs[module])  # raises ConfigError on an unknown flag
+            flags.parse(COMMANDS[module], args)  # raises ConfigError on an unknown flag
+
+
+def enumerated_flags(cls, prefix=""):
+    """Every flag of a command whose values are a declared set of choices."""
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if dataclasses.is_dataclass(inner[0]):
+            yield from enumerated_flags(inner[0], f"{prefix}{f.name}.")
+        elif flags.choices(tp):
+            yield prefix + f.name, flags.choices(tp)
+
+
+def test_every_enumerated_flag_rejects_a_wrong_value_in_one_line(tmp_path, capsys):
+    """A wrong value for any enumerated flag of any command: one line naming the flag and
+    its choices, exit status 1, before anything is written."""
+    mains = {"train": __import__("trainer.train").train.main, "eval": eval_cli.main,
+             "generate": generate_cli.main, "convert": convert.main, "serve": serve.main}
+    writes = {"train": "output_dir", "convert": "output"}  # the flag naming what it writes
+    checked = set()
+    for command, cls in COMMANDS.items():
+        for name, allowed in enumerated_flags(cls):
+            out = tmp_path / f"{command}-{name}"
+            argv = [f"--{name}=nonsense"] + ([f"--{writes[command]}={out}"]
+                                              if command in writes else [])
+            with pytest.raises(SystemExit) as exit_:
+                mains[command](argv)
+            message = str(exit_.value.code)
+            assert message.startswith(f"error: --{name}: expected one of "), message
+            assert "\n" not in message and all(str(c) in message for c in allowed if c)
+            assert not out.exists()
+            checked.add(f"{command} --{name}")
+    # The flags the issue names, among all the others.
+    assert {"train --optimizer.name", "train --optimizer.schedule", "train --remat",
+            "train --model.rope_scaling.rope_type", "train --model.hidden_act",
+            "train --model.layer_types", "train --dtype", "train --data.format",
+            "train --resume", "eval --format", "convert --dtype", "serve --dtype"} <= checked
+    # And through a real process: exit status 1, one line, no traceback, nothing written.
+    proc = run_cli("train", "--optimizer.name=adam", f"--output_dir={tmp_path / 'real'}",
+                   check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --optimizer.name: expected one of adamw, adafactor, sgd, got 'adam'"]
+    assert not (tmp_path / "real").exists()
 
 
 def test_help():

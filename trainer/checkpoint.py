@@ -13,7 +13,6 @@ files are written in the background while training goes on.
 """
 
 import contextlib
-import json
 import os
 
 import fsspec
@@ -21,13 +20,17 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.config import UserError
+from trainer.errors import UserError
 
 ITEMS = ("params", "train", "meta")
 
 
 class CheckpointError(UserError):
     """A checkpoint that can't be found or doesn't fit; one line naming the path."""
+
+
+class UnfinishedCheckpoint(CheckpointError):
+    """A step dir whose save was cut off."""
 
 
 def checkpoint_dir(output_dir):
@@ -97,7 +100,7 @@ def locate(path):
     parent, leaf = path.rsplit("/", 1) if "/" in path else (".", path)
     if leaf.isdigit() and fs.exists(path + "/meta"):
         if int(leaf) not in _complete_steps(fs, parent):
-            raise CheckpointError(f"{path} is an unfinished checkpoint (its save was "
+            raise UnfinishedCheckpoint(f"{path} is an unfinished checkpoint (its save was "
                                   "interrupted); point at its run dir to use the newest "
                                   "complete one")
         return parent, int(leaf)
@@ -114,14 +117,6 @@ def _complete_steps(fs, directory):
         return []
     with contextlib.closing(manager(directory, read_only=True)) as mngr:
         return list(mngr.all_steps())
-
-
-def is_checkpoint(path):
-    try:
-        locate(path)
-        return True
-    except CheckpointError:
-        return False
 
 
 def load_meta(path):
@@ -145,41 +140,6 @@ def abstract_with_shardings(tree, shardings):
 
 
 def to_json_meta(model_cfg, tokenizer, config):
-    return {"model": model_cfg.to_dict(), "tokenizer": tokenizer,
-            "config": json.loads(json.dumps(config.to_dict()))}
-
-
-def model_source(path, tokenizer=""):
-    """A meshlm checkpoint or a Hugging Face model dir -> (model config dict, tokenizer spec).
-    `tokenizer` overrides the saved one."""
-    from trainer import hf
-    if hf.is_hf_dir(path):
-        return hf.model_config_from_hf(path), hf.tokenizer_spec(path, tokenizer)
-    meta, _ = load_meta(path)
-    return meta["model"], tokenizer or meta["tokenizer"]
-
-
-def load_weights(path, model_cfg, abstract_params):
-    """The weights of a meshlm checkpoint or HF model dir, onto abstract_params' shardings."""
-    from trainer import hf
-    if hf.is_hf_dir(path):
-        return hf.load_params(path, model_cfg, abstract_params)
-    return load_params(path, abstract_params)
-
-
-def load_model(path, tokenizer="", dtype="float32"):
-    """A meshlm checkpoint or a Hugging Face model dir -> (model, params, tokenizer), on one
-    device, for eval, generate and serve. `tokenizer` overrides the saved one."""
-    from trainer import data
-    from trainer.model import build_model
-
-    if not path:
-        raise CheckpointError("--checkpoint is required: a meshlm checkpoint or HF model dir")
-    model_cfg, tokenizer = model_source(path, tokenizer)
-    model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                               jax.numpy.zeros((1, 1), "int32")))["params"]
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            shapes)
-    return model, load_weights(path, model_cfg, abstract), data.load_tokenizer(tokenizer)
+    """The meta item: the model config, the tokenizer spec and the run's flags."""
+    from trainer.flags import to_dict
+    return {"model": model_cfg.to_dict(), "tokenizer": tokenizer, "config": to_dict(config)}

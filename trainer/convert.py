@@ -13,6 +13,8 @@ import contextlib
 import math
 import os
 import sys
+from dataclasses import dataclass
+from typing import Literal
 
 import fsspec
 import jax
@@ -20,19 +22,25 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
-from trainer import checkpoint, config, hf
+from trainer import checkpoint, hf, loading
+from trainer.model import DTYPES
+from trainer.errors import UserError
+from trainer.families import ModelConfig
+from trainer.flags import ConfigError, flag, parse_or_exit
 
-FLAGS = {
-    "input": ("", "HF model dir, or meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>)"),
-    "output": ("", "meshlm run dir (from an HF input) or HF model dir (from a checkpoint)"),
-    "dtype": ("", "dtype of the written weights: bf16 | fp32 | fp16 (empty: as stored)"),
-    "tokenizer": ("", "tokenizer to ship: bytes | HF dir | SentencePiece .model "
-                  "(empty: the input's own)"),
-    "push_to_hub": ("", "checkpoint -> HF only: upload the output to this hub repo id "
-                    "(token from $HF_TOKEN)"),
-    "max_shard_size": ("5GB", "largest safetensors file of an HF output, e.g. 500MB, 5GB"),
-    "overwrite": (False, "replace an existing non-empty --output"),
-}
+@dataclass(frozen=True)
+class ConvertFlags:
+    input: str = flag("", "HF model dir, or meshlm checkpoint (run dir, checkpoints/ or "
+                      "checkpoints/<step>)")
+    output: str = flag("", "meshlm run dir (from an HF input) or HF model dir (from a checkpoint)")
+    dtype: Literal[("",) + tuple(DTYPES)] = flag("", "dtype of the written weights (empty: as "
+                                                 "stored)")
+    tokenizer: str = flag("", "tokenizer to ship: bytes | HF dir | SentencePiece .model "
+                          "(empty: the input's own)")
+    push_to_hub: str = flag("", "checkpoint -> HF only: upload the output to this hub repo id "
+                            "(token from $HF_TOKEN)")
+    max_shard_size: str = flag("5GB", "largest safetensors file of an HF output, e.g. 500MB, 5GB")
+    overwrite: bool = flag(False, "replace an existing non-empty --output")
 
 
 def _one_device():
@@ -47,31 +55,26 @@ def _prepare_output(cfg):
     fs, path = fsspec.core.url_to_fs(cfg.output)
     if fs.exists(path) and (not fs.isdir(path) or fs.ls(path)):
         if not cfg.overwrite:
-            raise config.ConfigError(f"--output={cfg.output} exists and is not empty; pass "
+            raise ConfigError(f"--output={cfg.output} exists and is not empty; pass "
                                      "--overwrite to replace it, or pick another dir")
         fs.rm(path, recursive=True)
 
 
 def hf_to_checkpoint(cfg):
-    from trainer.train import build_model
+    from trainer.model import build_model
     if cfg.push_to_hub:
-        raise config.ConfigError("--push_to_hub uploads an HF model dir, but this converts an "
+        raise ConfigError("--push_to_hub uploads an HF model dir, but this converts an "
                                  "HF dir into a meshlm checkpoint; drop --push_to_hub")
     model_cfg = hf.model_config_from_hf(cfg.input)
     spec = hf.tokenizer_spec(cfg.input, cfg.tokenizer)
     hf.check_tokenizer(spec, "--tokenizer")
-    dtype = hf.DTYPES[cfg.dtype] if cfg.dtype else hf.stored_dtype(cfg.input)
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else hf.stored_dtype(cfg.input)
     _prepare_output(cfg)
-    model = build_model(model_cfg)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                               jnp.zeros((1, 1), jnp.int32)))["params"]
-    device = _one_device()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=device),
-                            shapes)
+    abstract = loading.abstract_params(build_model(model_cfg), _one_device(), dtype)
     params = hf.load_params(cfg.input, model_cfg, abstract)
     output = _abs(cfg.output).rstrip("/")
     tokenizer = hf.copy_tokenizer(spec, output + "/tokenizer")
-    meta = {"model": model_cfg, "tokenizer": tokenizer,
+    meta = {"model": model_cfg.to_dict(), "tokenizer": tokenizer,
             "config": {"converted_from": _abs(cfg.input), "dtype": str(jnp.dtype(dtype))}}
     # Write a few arrays at a time (Orbax buffers all of them otherwise): the largest
     # array, at least 0.5 GB, in flight.
@@ -99,7 +102,7 @@ def _restore_params(directory, step, dtype):
                   for m in jax.tree.leaves(stored))
     device = _one_device()
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(
-        tuple(m.shape), hf.DTYPES[dtype] if dtype else m.dtype, sharding=device), stored)
+        tuple(m.shape), DTYPES[dtype] if dtype else m.dtype, sharding=device), stored)
     with contextlib.closing(checkpoint.manager(directory, read_only=True,
                                                concurrent_gb=max(largest / 1e9, 0.5))) as mngr:
         return mngr.restore(step, args=ocp.args.Composite(
@@ -109,41 +112,37 @@ def _restore_params(directory, step, dtype):
 def checkpoint_to_hf(cfg):
     directory, step = checkpoint.locate(cfg.input)
     meta, _ = checkpoint.load_meta(f"{directory}/{step}")
+    model_cfg = ModelConfig.from_dict(meta["model"])
     spec = cfg.tokenizer or meta["tokenizer"]
     hf.check_tokenizer(spec, "--tokenizer" if cfg.tokenizer else
                        f"the tokenizer of checkpoint {directory}/{step},")
-    hf.hf_config(meta["model"], "float32")  # an unexportable config fails before any work
+    hf.hf_config(model_cfg, "float32")  # an unexportable config fails before any work
     _prepare_output(cfg)
     params = _restore_params(directory, step, cfg.dtype)
-    hf.export(params, meta["model"], spec, cfg.output, max_shard_size=cfg.max_shard_size)
+    hf.export(params, model_cfg, spec, cfg.output, max_shard_size=cfg.max_shard_size)
     url = hf.push_to_hub(cfg.output, cfg.push_to_hub) if cfg.push_to_hub else None
-    return meta["model"], params, cfg.output, url
+    return model_cfg, params, cfg.output, url
 
 
 def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
-    cfg = config.parse_or_exit("trainer.convert", FLAGS, argv)
+    cfg = parse_or_exit("trainer.convert", ConvertFlags, argv)
     try:
         if not cfg.input or not cfg.output:
-            raise config.ConfigError("--input and --output are both required, e.g. "
-                                     "--input=hf/Llama-3.2-1B --output=runs/llama1b")
+            raise ConfigError("--input and --output are both required, e.g. "
+                              "--input=hf/Llama-3.2-1B --output=runs/llama1b")
         if _abs(cfg.input).rstrip("/") == _abs(cfg.output).rstrip("/"):
-            raise config.ConfigError("--output must differ from --input")
-        if cfg.dtype and cfg.dtype not in hf.DTYPES:
-            raise config.ConfigError(f"--dtype: unknown {cfg.dtype!r}; use bf16, fp32 or fp16")
+            raise ConfigError("--output must differ from --input")
         hf.shard_size_bytes(cfg.max_shard_size)
-        if hf.is_hf_dir(cfg.input):
+        url = None
+        if loading.kind(cfg.input) == "hf":
             model_cfg, params, where = hf_to_checkpoint(cfg)
-            url = None
-        elif checkpoint.is_checkpoint(cfg.input):
-            model_cfg, params, where, url = checkpoint_to_hf(cfg)
         else:
-            raise config.ConfigError(f"--input: {cfg.input!r} is neither a Hugging Face model "
-                                     "dir (with config.json) nor a meshlm checkpoint")
-    except config.UserError as e:
+            model_cfg, params, where, url = checkpoint_to_hf(cfg)
+    except UserError as e:
         sys.exit(f"error: {e}")
     count = sum(x.size for x in jax.tree.leaves(params))
-    print(f"converted {cfg.input} ({model_cfg['model_type']}, {count:,} params) -> {where}")
+    print(f"converted {cfg.input} ({model_cfg.model_type}, {count:,} params) -> {where}")
     if url:
         print(f"pushed to {url}")
 

@@ -1,4 +1,4 @@
-"""Tokenizers, data sources, the tokenization cache, packing and the batch for step k.
+"""Data sources, the tokenization cache, packing and the batch for step k.
 
 Flow: a source yields records (text or chat messages) -> the tokenizer turns each into
 one document of ids (plus a per-token loss mask for chat) -> the documents are cached on
@@ -13,17 +13,18 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 
 import fsspec
-import fsspec.implementations.local
 import numpy as np
 
-from trainer.config import UserError
+from trainer import storage
+from trainer.config import DataConfig
+from trainer.errors import UserError, one_line
+from trainer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1          # bump when the cached layout or tokenization rules change
+CACHE_VERSION = 2          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines
 
 
@@ -31,180 +32,7 @@ class DataError(UserError):
     """A data or tokenizer problem the user can fix; the message is one line."""
 
 
-def _is_local(fs) -> bool:
-    return isinstance(fs, fsspec.implementations.local.LocalFileSystem)
-
-
-# ---------------------------------------------------------------------------- tokenizers
-
-class Tokenizer:
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int
-    pad_id: int
-    name: str
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids) -> str:
-        raise NotImplementedError
-
-    def fingerprint(self) -> str:
-        """What must match for cached token ids to be reusable."""
-        return f"{self.name}|{self.vocab_size}|{self.bos_id}|{self.eos_id}"
-
-    # A plain built-in chat template, for tokenizers that bring none:
-    #   [BOS] <|user|>\n{content}\n <|assistant|>\n{content}[EOS] ...
-    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """(ids, mask): mask is 1 exactly on assistant content and its closing EOS."""
-        ids, mask = ([self.bos_id], [0]) if self.bos_id is not None else ([], [])
-        for m in messages:
-            if m["role"] == "assistant":
-                head, body = self.encode("<|assistant|>\n"), self.encode(m["content"]) + [self.eos_id]
-                ids += head + body
-                mask += [0] * len(head) + [1] * len(body)
-            else:
-                turn = self.encode(f"<|{m['role']}|>\n{m['content']}\n")
-                ids += turn
-                mask += [0] * len(turn)
-        return ids, mask
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for generation/serving: the conversation, then the assistant header."""
-        ids, _ = self.encode_chat(messages)
-        return ids + (self.encode("<|assistant|>\n") if add_generation_prompt else [])
-
-
-class ByteTokenizer(Tokenizer):
-    """Raw UTF-8 bytes (ids 0..255) plus three specials; needs no files."""
-
-    def __init__(self):
-        self.name, self.vocab_size = "bytes", 259
-        self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
-
-
-class SentencePieceTokenizer(Tokenizer):
-    def __init__(self, spec: str, model_proto: bytes):
-        import sentencepiece
-        self._sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
-        self.name, self.vocab_size = spec, self._sp.get_piece_size()
-        bos, eos, pad = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
-        if eos < 0:
-            raise DataError(f"--tokenizer: SentencePiece model {spec} has no EOS piece; train it with eos_id set")
-        self.bos_id = bos if bos >= 0 else None
-        self.eos_id, self.pad_id = eos, (pad if pad >= 0 else eos)
-
-    def encode(self, text):
-        return self._sp.encode(text)
-
-    def fingerprint(self):
-        return super().fingerprint() + "|" + hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
-
-    def encode_batch(self, texts):
-        return self._sp.encode(texts)
-
-    def decode(self, ids):
-        return self._sp.decode([int(i) for i in ids])  # control pieces (bos/eos) decode to ""
-
-
-class HFTokenizer(Tokenizer):
-    def __init__(self, spec: str, local_dir: str):
-        import transformers
-        try:
-            self._tok = transformers.AutoTokenizer.from_pretrained(local_dir, local_files_only=True)
-        except Exception as e:  # noqa: BLE001 -- any load failure is the user's files
-            raise DataError(f"--tokenizer: cannot load Hugging Face tokenizer from {spec}: {_one_line(e)}") from None
-        tok = self._tok
-        tok.model_max_length = 1 << 62  # we pack long documents; silence "sequence too long" warnings
-        if tok.eos_token_id is None:
-            raise DataError(f"--tokenizer: {spec} has no eos_token; set \"eos_token\" in its tokenizer_config.json")
-        self.name, self.vocab_size = spec, len(tok)  # len() counts added tokens too
-        self.bos_id, self.eos_id = tok.bos_token_id, tok.eos_token_id
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False)
-
-    def encode_batch(self, texts):
-        return self._tok(texts, add_special_tokens=False)["input_ids"]  # batched in Rust
-
-    def decode(self, ids):
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def fingerprint(self):
-        vocab = json.dumps([sorted(self._tok.get_vocab().items()), self._tok.chat_template])
-        return super().fingerprint() + "|" + hashlib.sha256(vocab.encode()).hexdigest()
-
-    def _render(self, messages, add_generation_prompt=False) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def encode_chat(self, messages):
-        if not self._tok.chat_template:
-            return super().encode_chat(messages)
-        # Render the whole conversation once; an assistant turn is the text between the
-        # prompt rendered up to it (with the generation header) and the prompt rendered
-        # through it.  Tokens whose characters lie inside such a span get mask 1.
-        full = self._render(messages)
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start, through = self._render(messages[:i], True), self._render(messages[: i + 1])
-            if not (full.startswith(start) and full.startswith(through)):
-                raise ValueError("the tokenizer's chat_template does not render earlier turns the same way "
-                                 "as the whole conversation, so assistant turns cannot be located")
-            end = len(start) + len(through[len(start):].rstrip())  # keep the end token, drop trailing "\n"
-            spans.append((len(start), end))
-        enc = self._tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [int(e > s and any(a <= s and e <= b for a, b in spans)) for s, e in enc["offset_mapping"]]
-        return list(enc["input_ids"]), mask
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        if not self._tok.chat_template:
-            return super().apply_chat_template(messages, add_generation_prompt)
-        return self.encode(self._render(messages, add_generation_prompt))
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    """'bytes', a Hugging Face tokenizer directory, or a SentencePiece .model file (local or gs://)."""
-    if spec == "bytes":
-        return ByteTokenizer()
-    fs, path = fsspec.core.url_to_fs(spec)
-    if spec.endswith(".model") and fs.isfile(path):
-        with fs.open(path, "rb") as f:
-            return SentencePieceTokenizer(spec, f.read())
-    if os.path.basename(path) in ("tokenizer.json", "tokenizer_config.json") and fs.isfile(path):
-        path = os.path.dirname(path)
-    if fs.isdir(path) and any(fs.exists(f"{path}/{n}") for n in ("tokenizer.json", "tokenizer_config.json")):
-        if not _is_local(fs):
-            # transformers reads local files only; the copy is kept, as saving may read it again.
-            local = tempfile.mkdtemp(prefix="meshlm-tokenizer-")
-            fs.get(path.rstrip("/") + "/", local, recursive=True)
-            return HFTokenizer(spec, local)
-        return HFTokenizer(spec, path)
-    raise DataError(f"--tokenizer: {spec!r} is not 'bytes', a Hugging Face tokenizer directory "
-                    "or a SentencePiece .model file")
-
-
 # ------------------------------------------------------------------------------- sources
-
-def _opt(cfg, name, default):
-    return getattr(cfg, name, default) if cfg is not None else default
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
 
 def _is_glob(path: str) -> bool:
     return any(c in path for c in "*?[")
@@ -217,13 +45,11 @@ def _stat(fs, path) -> list:
     return [fs.unstrip_protocol(path), info.get("size"), str(stamp)]
 
 
-def _resolve_source(cfg):
+def _resolve_source(cfg: DataConfig):
     """Returns (key, records): key identifies the source for the cache; records() yields
     (where, text_or_messages) with `where` like "data.jsonl:3" for error messages."""
-    spec, fmt = _opt(cfg, "path", "builtin"), _opt(cfg, "format", "text")
-    field = _opt(cfg, "messages_field", "messages") if fmt == "chat" else _opt(cfg, "text_field", "text")
-    if fmt not in ("text", "chat"):
-        raise DataError(f"--data.format: {fmt!r} is not 'text' or 'chat'")
+    spec, fmt = cfg.path, cfg.format
+    field = cfg.messages_field if fmt == "chat" else cfg.text_field
     if spec == "builtin":
         if fmt == "chat":
             raise DataError("--data.format=chat needs --data.path with conversations; the builtin corpus is plain text")
@@ -236,7 +62,7 @@ def _resolve_source(cfg):
     elif fs.isfile(path):
         files = [path]
     elif fs.isdir(path) or not _looks_like_file(spec):
-        return _hf_source(spec, fs, path, fmt, field, _opt(cfg, "split", "train"))
+        return _hf_source(spec, fs, path, fmt, field, cfg.split)
     else:
         raise DataError(f"--data.path: file not found: {spec}")
     key = [_stat(fs, f) for f in files]
@@ -257,7 +83,8 @@ def _builtin_records():
 
 
 def _file_records(fs, path, fmt, field):
-    name = path if _is_local(fs) else fs.unstrip_protocol(path)  # as the user wrote it
+    url = fs.unstrip_protocol(path)
+    name = path if storage.is_local(url) else url  # as the user wrote it
     stem = path[:-3] if path.endswith(".gz") else path
     with fs.open(path, "rt", encoding="utf-8", compression="infer") as f:
         if stem.endswith(".jsonl"):
@@ -329,7 +156,7 @@ def _hf_source(spec, fs, path, fmt, field, split):
         ds = datasets.load_from_disk(spec) if saved else datasets.load_dataset(spec, split=split)
     except Exception as e:  # noqa: BLE001 -- offline lookups fail in many ways; all mean "not available"
         raise DataError(f"--data.path: {spec!r} is not a file, glob, or Hugging Face dataset available "
-                        f"offline ({_one_line(e)[:200]})") from None
+                        f"offline ({one_line(e)[:200]})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"--data.split: {spec} has no split {split!r} (splits: {', '.join(ds)})")
@@ -348,7 +175,8 @@ def _hf_source(spec, fs, path, fmt, field, split):
 # ------------------------------------------------------------------ tokenization + cache
 
 def _tokenize(records, tokenizer: Tokenizer, fmt: str):
-    """Every record becomes one document: [BOS] text EOS for text; the chat template for chat.
+    """Every record becomes one document, as the tokenizer's rules say (tokenizer.py): the
+    text as `tokenizer(text)` encodes it, then EOS; a chat through its chat template.
     Returns (tokens uint32, offsets int64 [n_docs+1], mask uint8 or None)."""
     docs, masks = [], []
     if fmt == "chat":
@@ -356,27 +184,26 @@ def _tokenize(records, tokenizer: Tokenizer, fmt: str):
             try:
                 ids, mask = tokenizer.encode_chat(messages)
             except Exception as e:  # noqa: BLE001 -- e.g. a template that rejects the role order
-                raise DataError(f"{where}: cannot apply the chat template: {_one_line(e)}") from None
+                raise DataError(f"{where}: cannot apply the chat template: {one_line(e)}") from None
             docs.append(np.asarray(ids, np.uint32))
             masks.append(np.asarray(mask, np.uint8))
     else:
-        head, tail = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []), [tokenizer.eos_id]
         records = iter(records)
         while texts := [text for _, text in itertools.islice(records, 1024)]:  # batches let HF use its threads
-            docs += [np.asarray(head + ids + tail, np.uint32) for ids in tokenizer.encode_batch(texts)]
+            docs += [np.asarray(ids, np.uint32) for ids in tokenizer.encode_documents(texts)]
     offsets = np.zeros(len(docs) + 1, np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
     tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint32)
     return tokens, offsets, (np.concatenate(masks) if masks else None)
 
 
-def _cached_tokenize(cfg, tokenizer):
+def _cached_tokenize(cfg: DataConfig, tokenizer):
     """Tokenize the source once; later runs load the .npz from the cache (local or gs://)."""
-    fmt = _opt(cfg, "format", "text")
+    fmt = cfg.format
     source_key, records = _resolve_source(cfg)
     key = json.dumps([CACHE_VERSION, source_key, tokenizer.fingerprint(), fmt,
-                      _opt(cfg, "text_field", "text"), _opt(cfg, "messages_field", "messages")])
-    cache_dir = _opt(cfg, "cache_dir", "") or os.path.expanduser("~/.cache/meshlm/tokens")
+                      cfg.text_field, cfg.messages_field])
+    cache_dir = cfg.cache_dir or os.path.expanduser("~/.cache/meshlm/tokens")
     fs, root = fsspec.core.url_to_fs(cache_dir)
     file = f"{root.rstrip('/')}/{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
     if fs.exists(file):
@@ -496,12 +323,10 @@ class Dataset:
             yield b
 
 
-def load_dataset(cfg, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
+def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
     """(train, validation) for the source in cfg (see the module docstring)."""
-    fmt, spec = _opt(cfg, "format", "text"), _opt(cfg, "path", "builtin")
-    val_fraction = float(_opt(cfg, "val_fraction", 0.05))
-    if not 0 <= val_fraction < 1:  # checked before the (possibly long) tokenization
-        raise DataError(f"--data.val_fraction: {val_fraction} must be in [0, 1)")
+    fmt, spec = cfg.format, cfg.path
+    val_fraction = cfg.val_fraction
     tokens, offsets, mask = _cached_tokenize(cfg, tokenizer)
     n_docs, row_len = len(offsets) - 1, seq_len + 1
     if n_docs == 0:

@@ -9,28 +9,32 @@ import functools
 import json
 import math
 import sys
+from dataclasses import dataclass
 
 import jax
 from absl import logging as absl_logging
-from ml_collections import ConfigDict
 
-from trainer import checkpoint, config, data
+from trainer import data, loading
+from trainer.config import DataConfig, DataFormat, Dtype
+from trainer.errors import UserError
+from trainer.flags import ConfigError, flag, parse_or_exit
 from trainer.model import batch_loss
 
-FLAGS = {
-    "checkpoint": ("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) or HF dir"),
-    "data": ("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)"),
-    "format": ("text", "text | chat (loss on assistant turns only)"),
-    "text_field": ("text", "JSONL / dataset field holding the text"),
-    "messages_field": ("messages", "JSONL / dataset field holding chat messages"),
-    "split": ("train", "HF dataset split"),
-    "cache_dir": ("", "tokenization cache (empty: ~/.cache/meshlm/tokens)"),
-    "tokenizer": ("", "override the checkpoint's tokenizer"),
-    "seq_len": (128, "tokens per scored row"),
-    "batch_size": (8, "rows per forward pass"),
-    "max_batches": (0, "stop after this many batches (0: all)"),
-    "dtype": ("float32", "compute dtype: float32 | bfloat16"),
-}
+@dataclass(frozen=True)
+class EvalFlags:
+    checkpoint: str = flag("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) "
+                           "or HF dir")
+    data: str = flag("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)")
+    format: DataFormat = flag("text", "text, or chat (loss on assistant turns only)")
+    text_field: str = flag("text", "JSONL / dataset field holding the text")
+    messages_field: str = flag("messages", "JSONL / dataset field holding chat messages")
+    split: str = flag("train", "HF dataset split")
+    cache_dir: str = flag("", "tokenization cache (empty: ~/.cache/meshlm/tokens)")
+    tokenizer: str = flag("", "override the checkpoint's tokenizer")
+    seq_len: int = flag(128, "tokens per scored row")
+    batch_size: int = flag(8, "rows per forward pass")
+    max_batches: int = flag(0, "stop after this many batches (0: all)")
+    dtype: Dtype = flag("float32", "compute dtype")
 
 
 def evaluate(model, params, dataset, batch_size, max_batches=0):
@@ -47,19 +51,18 @@ def evaluate(model, params, dataset, batch_size, max_batches=0):
 
 def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
-    cfg = config.parse_or_exit("trainer.eval", FLAGS, argv)
+    cfg = parse_or_exit("trainer.eval", EvalFlags, argv)
     try:
-        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                         cfg.dtype)
+        model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
         if cfg.seq_len > model.cfg.max_position_embeddings:
-            raise config.ConfigError(f"--seq_len={cfg.seq_len} is longer than the model's "
-                                     f"max_position_embeddings={model.cfg.max_position_embeddings}")
-        data_cfg = ConfigDict(dict(path=cfg.data, format=cfg.format, text_field=cfg.text_field,
-                                   messages_field=cfg.messages_field, split=cfg.split,
-                                   val_fraction=0.0, cache_dir=cfg.cache_dir))
+            raise ConfigError(f"--seq_len={cfg.seq_len} is longer than the model's "
+                              f"max_position_embeddings={model.cfg.max_position_embeddings}")
+        data_cfg = DataConfig(path=cfg.data, format=cfg.format, text_field=cfg.text_field,
+                              messages_field=cfg.messages_field, split=cfg.split,
+                              val_fraction=0.0, cache_dir=cfg.cache_dir)
         dataset, _ = data.load_dataset(data_cfg, tokenizer, cfg.seq_len)
         loss, tokens = evaluate(model, params, dataset, cfg.batch_size, cfg.max_batches)
-    except config.UserError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     print(json.dumps({"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens}))
 

@@ -7,28 +7,34 @@ row and samples the next: greedy (temperature 0), temperature, top-k, top-p.
 
 import functools
 import sys
+from dataclasses import dataclass
 
 import jax
-from absl import logging as absl_logging
 import jax.numpy as jnp
 import numpy as np
+from absl import logging as absl_logging
 
-from trainer import checkpoint, config
+from trainer import loading
+from trainer.config import Dtype
+from trainer.errors import UserError
+from trainer.flags import ConfigError, flag, parse_or_exit
 from trainer.model import init_kv_cache
 
-FLAGS = {
-    "checkpoint": ("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) or HF dir"),
-    "prompt": ("", "the prompt; separate several prompts with --prompt_sep to batch them"),
-    "prompt_sep": ("", "split --prompt on this string into a batch of prompts (empty: one)"),
-    "chat": (False, "wrap the prompt as a user message in the tokenizer's chat template"),
-    "max_new_tokens": (128, "tokens to sample after the prompt"),
-    "temperature": (0.8, "0: greedy"),
-    "top_p": (0.95, "nucleus sampling: keep the smallest set of tokens with this much mass"),
-    "top_k": (0, "keep only the k most likely tokens (0: off)"),
-    "seed": (0, "sampling seed"),
-    "tokenizer": ("", "override the checkpoint's tokenizer"),
-    "dtype": ("float32", "compute dtype: float32 | bfloat16"),
-}
+@dataclass(frozen=True)
+class GenerateFlags:
+    checkpoint: str = flag("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) "
+                           "or HF dir")
+    prompt: str = flag("", "the prompt; separate several prompts with --prompt_sep to batch them")
+    prompt_sep: str = flag("", "split --prompt on this string into a batch of prompts (empty: one)")
+    chat: bool = flag(False, "wrap the prompt as a user message in the tokenizer's chat template")
+    max_new_tokens: int = flag(128, "tokens to sample after the prompt")
+    temperature: float = flag(0.8, "0: greedy")
+    top_p: float = flag(0.95, "nucleus sampling: keep the smallest set of tokens with this much "
+                        "mass")
+    top_k: int = flag(0, "keep only the k most likely tokens (0: off)")
+    seed: int = flag(0, "sampling seed")
+    tokenizer: str = flag("", "override the checkpoint's tokenizer")
+    dtype: Dtype = flag("float32", "compute dtype")
 
 
 def sample_token(logits, rng, temperature, top_p, top_k):
@@ -84,10 +90,10 @@ def generate(model, params, prompts, eos_id, pad_id, max_new_tokens=128, tempera
              top_p=0.95, top_k=0, seed=0):
     """prompts: lists of token ids -> lists of new token ids (cut at EOS)."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise config.ConfigError("--prompt: every prompt needs at least one token")
+        raise ConfigError("--prompt: every prompt needs at least one token")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > model.cfg.max_position_embeddings:
-        raise config.ConfigError(
+        raise ConfigError(
             f"prompt ({longest} tokens) + --max_new_tokens={max_new_tokens} exceeds the model's "
             f"max_position_embeddings={model.cfg.max_position_embeddings}")
     tokens = np.full((len(prompts), longest), pad_id, np.int32)
@@ -105,20 +111,18 @@ def generate(model, params, prompts, eos_id, pad_id, max_new_tokens=128, tempera
 
 def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
-    cfg = config.parse_or_exit("trainer.generate", FLAGS, argv)
+    cfg = parse_or_exit("trainer.generate", GenerateFlags, argv)
     try:
-        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                         cfg.dtype)
+        model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
         texts = cfg.prompt.split(cfg.prompt_sep) if cfg.prompt_sep else [cfg.prompt]
         if cfg.chat:
             prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}])
                        for t in texts]
         else:
-            prompts = [([tokenizer.bos_id] if tokenizer.bos_id is not None else [])
-                       + tokenizer.encode(t) for t in texts]
+            prompts = tokenizer.encode_texts(texts)
         outputs = generate(model, params, prompts, tokenizer.eos_id, tokenizer.pad_id,
                            cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
-    except config.UserError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     for text, new in zip(texts, outputs):
         print(text + tokenizer.decode(new))

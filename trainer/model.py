@@ -1,15 +1,19 @@
-"""A LLaMA-family decoder (LLaMA 1-3, Mistral, Qwen2) for one device, in Flax Linen.
+"""The decoder of every family in families.py (LLaMA 1-3, Mistral, Qwen2/3, Gemma 3), for
+one device, in Flax Linen.
 
-Read it like the paper: token embedding -> N x [RMSNorm -> grouped-query attention
-with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
+Read it like the paper: token embedding -> N x [RMSNorm -> grouped-query attention with
+RoPE -> residual -> RMSNorm -> gated MLP -> residual] -> RMSNorm -> logits. A family's
+`Switches` add what sets it apart, each at the one place the paper puts it: q/k norms,
+(1 + w) norms, norms after attention and MLP too, scaled embeddings. Each layer is full or
+sliding-window attention (`cfg.layer_types`), with its own RoPE.
 
 Shapes: B batch, T query length, S key length, D hidden_size, H query heads,
 K key/value heads, G = H // K queries per kv head, Dh head_dim, F intermediate, V vocab.
 
-This file knows nothing about meshes, hosts or files. `constrain` names the
-logical axes of an activation; it does nothing unless a mesh is set.
-Parameter names follow Hugging Face (`layers_3/self_attn/q_proj/kernel`), so the
-weight mapping in hf.py is a transpose at most.
+This file knows nothing about meshes, hosts or files. `constrain` names the logical axes
+of an activation and `axis_size` says how many ways one is split; both do nothing
+special unless a mesh is set. Parameter names follow Hugging Face
+(`layers_3/self_attn/q_proj/kernel`), so the weight map is a rename and a transpose.
 """
 
 import math
@@ -17,14 +21,15 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from ml_collections import FrozenConfigDict
+from trainer.families import ACTIVATIONS, ModelConfig
+from trainer.sharding import axis_size, constrain
 
-from trainer.sharding import constrain
-
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
-          "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
+# Every dtype name a flag accepts, once. numpy types: jax, numpy and safetensors all read them.
+DTYPES = {"float32": np.float32, "fp32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+          "bf16": ml_dtypes.bfloat16, "float16": np.float16, "fp16": np.float16}
 
 # Which intermediates a rematerialised block keeps for the backward pass.
 REMAT_POLICIES = {
@@ -34,85 +39,127 @@ REMAT_POLICIES = {
 }
 
 
-def head_dim(cfg):
-    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-
-
-def rope_inv_freq(cfg):
-    """The RoPE rotation frequency of each channel pair, [Dh/2], with LLaMA-3 scaling."""
-    dim = head_dim(cfg)
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = cfg.rope_scaling
-    if scaling.rope_type == "llama3":
+# ------------------------------------------------------------------ RoPE
+def rope_frequencies(cfg: ModelConfig, layer_type):
+    """(inv_freq [Dh/2] float32, cos/sin scale) of one kind of layer, as HF computes them."""
+    theta, scaling = cfg.rope(layer_type)
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    kind, factor = scaling.rope_type, scaling.factor
+    old_len = scaling.original_max_position_embeddings or cfg.max_position_embeddings
+    if kind == "linear":  # positions divided by factor
+        return (inv_freq / factor).astype(np.float32), 1.0
+    if kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between
         # blended smoothly (LLaMA 3.1's recipe for 128k context).
-        old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor
         high_wavelen = old_len / scaling.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - scaling.low_freq_factor) / (
             scaling.high_freq_factor - scaling.low_freq_factor)
-        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = np.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > low_wavelen, inv_freq / factor,
                             np.where(wavelen < high_wavelen, inv_freq, blended))
-    elif scaling.rope_type != "default":
-        raise ValueError(f"--model.rope_scaling.rope_type: unsupported '{scaling.rope_type}'; "
-                         "use default or llama3")
-    return inv_freq.astype(np.float32)
+        return inv_freq.astype(np.float32), 1.0
+    if kind == "yarn":
+        # YaRN: dims that turn fewer than beta_slow times over the old context interpolate
+        # (inv_freq / factor), dims that turn more than beta_fast times keep their frequency,
+        # a linear ramp between; cos/sin are scaled up to keep attention entropy.
+        def dim_of(rotations):
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # no division by zero
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+        return inv_freq.astype(np.float32), yarn_attention_factor(scaling)
+    return inv_freq.astype(np.float32), 1.0
 
 
-def apply_rope(x, positions, inv_freq):
+def yarn_attention_factor(scaling):
+    """YaRN's cos/sin scale: given, DeepSeek's mscale ratio, or 0.1 ln(factor) + 1."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor, m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor,
+                                                               scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def apply_rope(x, positions, inv_freq, scale=1.0):
     """Rotate channel pairs (i, i + Dh/2) of x [B, T, heads, Dh] by positions [B, T] * inv_freq."""
     angles = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, Dh/2]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]  # [B, T, 1, Dh/2]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
 
 
+# ------------------------------------------------------------------ layers
 class RMSNorm(nn.Module):
     eps: float
+    plus_one: bool  # Gemma: scale by (1 + w) in float32, w starting at 0
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return scale.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def _dense(features, use_bias, cfg_dtype, param_dtype, name):
-    return nn.Dense(features, use_bias=use_bias, dtype=cfg_dtype, param_dtype=param_dtype,
+def _dense(features, use_bias, dtype, param_dtype, name):
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     kernel_init=nn.initializers.normal(0.02), name=name)
 
 
+def _norm(cfg, dtype, param_dtype, name):
+    return RMSNorm(cfg.rms_norm_eps, cfg.switches.norm_plus_one, dtype, param_dtype, name=name)
+
+
+def kv_repeats(num_kv_heads, tp):
+    """How many copies of each kv head make their count divisible by tp (MaxText-style
+    replication when tp exceeds the kv heads): lcm(K, tp) / K."""
+    return math.lcm(num_kv_heads, tp) // num_kv_heads
+
+
 class Attention(nn.Module):
-    cfg: object
+    cfg: ModelConfig
+    layer_type: str  # "full_attention" | "sliding_attention"
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x, positions, q_slots, k_slots, key_mask=None, kv_cache=None,
                  cache_index=None):
-        cfg = self.cfg
+        cfg, switches = self.cfg, self.cfg.switches
         B, T, _ = x.shape
-        H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
-        G = H // K
-        qkv_bias = cfg.qkv_bias or cfg.attention_bias
+        H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_bias = switches.qkv_bias or cfg.attention_bias
+        dense = lambda n, name, bias: _dense(n, bias, self.dtype, self.param_dtype, name)  # noqa
 
-        q = _dense(H * Dh, qkv_bias, self.dtype, self.param_dtype, "q_proj")(x)
-        k = _dense(K * Dh, qkv_bias, self.dtype, self.param_dtype, "k_proj")(x)
-        v = _dense(K * Dh, qkv_bias, self.dtype, self.param_dtype, "v_proj")(x)
-        q = constrain(q.reshape(B, T, H, Dh), ("batch", "seq", "heads", None))
-        k = constrain(k.reshape(B, T, K, Dh), ("batch", "seq", "heads", None))
-        v = constrain(v.reshape(B, T, K, Dh), ("batch", "seq", "heads", None))
+        q = dense(H * Dh, "q_proj", qkv_bias)(x).reshape(B, T, H, Dh)
+        k = dense(K * Dh, "k_proj", qkv_bias)(x).reshape(B, T, K, Dh)
+        v = dense(K * Dh, "v_proj", qkv_bias)(x).reshape(B, T, K, Dh)
+        if switches.qk_norm:  # per head, over Dh
+            q = _norm(cfg, self.dtype, self.param_dtype, "q_norm")(q)
+            k = _norm(cfg, self.dtype, self.param_dtype, "k_norm")(k)
 
-        inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        inv_freq, scale = rope_frequencies(cfg, self.layer_type)
+        q = apply_rope(q, positions, inv_freq, scale)
+        k = apply_rope(k, positions, inv_freq, scale)
 
         new_cache = None
         if kv_cache is not None:
@@ -123,11 +170,23 @@ class Attention(nn.Module):
                                              (0, cache_index, 0, 0))
             new_cache = {"k": k, "v": v}
 
+        # tp splits whole heads. When it exceeds the kv heads, each kv head is repeated so
+        # that every tp shard holds the one its queries read; without a mesh, r = 1.
+        r = kv_repeats(K, axis_size("heads"))
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)  # [B, S, K*r, Dh]
+        q = constrain(q, ("batch", "seq", "heads", None))
+        k = constrain(k, ("batch", "seq", "heads", None))
+        v = constrain(v, ("batch", "seq", "heads", None))
+
         # Grouped-query attention without copying K/V: queries are grouped per kv head.
-        q = q.reshape(B, T, K, G, Dh)
+        q = q.reshape(B, T, K * r, H // (K * r), Dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(Dh)
+                            preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(cfg.query_pre_attn_scalar or Dh)
         mask = k_slots[None, :] <= q_slots[:, None]  # causal, [T, S]
+        if self.layer_type == "sliding_attention":  # the window includes the query itself
+            mask &= k_slots[None, :] > q_slots[:, None] - cfg.sliding_window
         mask = mask[None, None, None]  # [1, 1, 1, T, S]
         if key_mask is not None:  # padding in a decode cache, [B, S]
             mask = mask & key_mask[:, None, None, None, :]
@@ -135,43 +194,49 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(self.dtype))
         out = constrain(out.reshape(B, T, H, Dh), ("batch", "seq", "heads", None))
-        out = _dense(cfg.hidden_size, cfg.attention_bias, self.dtype, self.param_dtype,
-                     "o_proj")(out.reshape(B, T, H * Dh))
+        out = dense(cfg.hidden_size, "o_proj", cfg.attention_bias)(out.reshape(B, T, H * Dh))
         return out, new_cache
 
 
 class MLP(nn.Module):
-    cfg: object
+    cfg: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        gate = _dense(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.param_dtype,
-                      "gate_proj")(x)
-        up = _dense(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.param_dtype,
-                    "up_proj")(x)
-        hidden = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # SwiGLU, [B, T, F]
-        return _dense(cfg.hidden_size, cfg.mlp_bias, self.dtype, self.param_dtype,
-                      "down_proj")(hidden)
+        dense = lambda n, name: _dense(n, cfg.mlp_bias, self.dtype, self.param_dtype, name)  # noqa
+        gate, up = dense(cfg.intermediate_size, "gate_proj")(x), dense(cfg.intermediate_size,
+                                                                        "up_proj")(x)
+        hidden = ACTIVATIONS[cfg.hidden_act](gate) * up  # gated: SwiGLU or GeGLU, [B, T, F]
+        hidden = constrain(hidden, ("batch", "seq", "mlp"))
+        return dense(cfg.hidden_size, "down_proj")(hidden)
 
 
 class Block(nn.Module):
-    cfg: object
+    cfg: ModelConfig
+    layer_type: str
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x, positions, q_slots, k_slots, key_mask=None, kv_cache=None,
                  cache_index=None):
-        norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.dtype, self.param_dtype, name=name)
-        attn_out, new_cache = Attention(self.cfg, self.dtype, self.param_dtype, name="self_attn")(
-            norm("input_layernorm")(x), positions, q_slots, k_slots, key_mask, kv_cache,
-            cache_index)
-        x = x + attn_out
-        x = x + MLP(self.cfg, self.dtype, self.param_dtype, name="mlp")(
-            norm("post_attention_layernorm")(x))
+        norm = lambda name: _norm(self.cfg, self.dtype, self.param_dtype, name)  # noqa: E731
+        sandwich = self.cfg.switches.sandwich_norms  # Gemma: the branch output is normed too
+        h, new_cache = Attention(self.cfg, self.layer_type, self.dtype, self.param_dtype,
+                                 name="self_attn")(norm("input_layernorm")(x), positions,
+                                                   q_slots, k_slots, key_mask, kv_cache,
+                                                   cache_index)
+        if sandwich:
+            h = norm("post_attention_layernorm")(h)
+        x = x + h
+        h = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")(x)
+        h = MLP(self.cfg, self.dtype, self.param_dtype, name="mlp")(h)
+        if sandwich:
+            h = norm("post_feedforward_layernorm")(h)
+        x = x + h
         return constrain(x, ("batch", "seq", "embed")), new_cache
 
 
@@ -183,7 +248,7 @@ class Transformer(nn.Module):
     updated cache as well. key_mask [B, S] marks cache slots that hold real tokens.
     """
 
-    cfg: object
+    cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     remat: str = "none"
@@ -204,67 +269,46 @@ class Transformer(nn.Module):
         # weight, so XLA need not copy the whole [B, T, D] lookup onto every device.
         table = constrain(embed.embedding, ("vocab", None))  # [V, D]
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        if cfg.switches.scale_embeddings:  # sqrt(D), rounded to the weights' dtype as in HF
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(self.dtype)
         x = constrain(x, ("batch", "seq", "embed"))  # [B, T, D]
 
         block_cls = Block
         if self.remat != "none" and kv_cache is None:
-            if self.remat not in REMAT_POLICIES:
-                raise ValueError(f"--remat: unknown policy '{self.remat}'; choose none, "
-                                 + ", ".join(REMAT_POLICIES))
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
         new_cache = []
-        for i in range(cfg.num_hidden_layers):
+        for i, layer_type in enumerate(cfg.layer_types):
             layer_cache = kv_cache[i] if kv_cache is not None else None
-            x, layer_cache = block_cls(cfg, self.dtype, self.param_dtype, name=f"layers_{i}")(
+            x, layer_cache = block_cls(cfg, layer_type, self.dtype, self.param_dtype,
+                                       name=f"layers_{i}")(
                 x, positions, q_slots, k_slots, key_mask, layer_cache, cache_index)
             new_cache.append(layer_cache)
 
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x)
+        x = _norm(cfg, self.dtype, self.param_dtype, "norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = _dense(cfg.vocab_size, False, self.dtype, self.param_dtype, "lm_head")(x)
-        logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcapping:  # Gemma: squash logits smoothly into (-cap, cap)
+            cap = cfg.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        logits = constrain(logits, ("batch", "seq", "vocab"))
         if kv_cache is not None:
             return logits, new_cache
         return logits
 
 
-def build_model(model_cfg, dtype="float32", param_dtype="float32", remat="none"):
-    """The Transformer for a model config (a dict or ConfigDict with HF field names)."""
-    return Transformer(FrozenConfigDict(model_cfg), dtype=DTYPES[dtype],
-                       param_dtype=DTYPES[param_dtype], remat=remat)
+def build_model(model_cfg: ModelConfig, dtype="float32", param_dtype="float32", remat="none"):
+    """The Transformer for a model config, computing in `dtype`, storing `param_dtype`."""
+    return Transformer(model_cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype],
+                       remat=remat)
 
 
-def init_kv_cache(cfg, batch_size, max_len, dtype=jnp.float32):
-    shape = (batch_size, max_len, cfg.num_key_value_heads, head_dim(cfg))
+def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):
+    shape = (batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
             for _ in range(cfg.num_hidden_layers)]
-
-
-def count_params(cfg):
-    """Parameter count from the config alone (embeddings included)."""
-    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
-    qkv_bias = cfg.qkv_bias or cfg.attention_bias
-    attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D + qkv_bias * (H + 2 * K) * Dh
-    attn += cfg.attention_bias * D
-    mlp = 3 * D * F + cfg.mlp_bias * (2 * F + D)
-    per_layer = attn + mlp + 2 * D
-    head = 0 if cfg.tie_word_embeddings else D * V
-    return V * D + L * per_layer + D + head
-
-
-def flops_per_token(cfg, seq_len):
-    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style:
-    6 x (non-embedding matmul params + lm head) plus causal attention scores."""
-    D, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-    H, Dh = cfg.num_attention_heads, head_dim(cfg)
-    matmul_params = count_params(cfg) - V * D  # the embedding lookup is no matmul...
-    if cfg.tie_word_embeddings:
-        matmul_params += V * D  # ...but a tied embedding still does the lm-head matmul
-    attention = 2 * 2 * L * H * Dh * seq_len  # QK^T and PV, forward, full (unmasked) square
-    return 6 * matmul_params + 3 * attention
 
 
 def batch_loss(model, params, batch):

@@ -1,29 +1,20 @@
 """The optimizer: global-norm clipping, then AdamW (or Adafactor, SGD) on a warmup schedule.
 
 Weight decay skips norms and biases (any parameter with fewer than two dimensions).
-Gradient accumulation is not here: it lives in the train step.
+Gradient accumulation is not here: it lives in the train step. The names of DECAYS and
+OPTIMIZERS are the choices of --optimizer.schedule and --optimizer.name.
 """
 
 import jax
 import optax
 
-
-def learning_rate_schedule(cfg, total_steps):
-    """Linear warmup to cfg.lr, then cosine / linear decay to cfg.lr * min_lr_ratio, or constant."""
-    warmup = min(cfg.warmup_steps, total_steps)
-    decay_steps = max(total_steps - warmup, 1)
-    end = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
-    elif cfg.schedule == "linear":
-        decay = optax.linear_schedule(cfg.lr, end, decay_steps)
-    elif cfg.schedule == "constant":
-        decay = optax.constant_schedule(cfg.lr)
-    else:
-        raise ValueError(f"--optimizer.schedule: unknown '{cfg.schedule}'; "
-                         "use cosine, linear or constant")
-    warm = optax.linear_schedule(0.0, cfg.lr, warmup) if warmup else optax.constant_schedule(cfg.lr)
-    return optax.join_schedules([warm, decay], [warmup])
+# After warmup, the lr goes from its peak to peak * min_lr_ratio over `steps` steps.
+DECAYS = {
+    "cosine": lambda cfg, steps: optax.cosine_decay_schedule(cfg.lr, steps,
+                                                             alpha=cfg.min_lr_ratio),
+    "linear": lambda cfg, steps: optax.linear_schedule(cfg.lr, cfg.lr * cfg.min_lr_ratio, steps),
+    "constant": lambda cfg, steps: optax.constant_schedule(cfg.lr),
+}
 
 
 def decay_mask(params):
@@ -31,19 +22,26 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+OPTIMIZERS = {
+    "adamw": lambda cfg, lr: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                         weight_decay=cfg.weight_decay, mask=decay_mask),
+    "adafactor": lambda cfg, lr: optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None,
+                                                 weight_decay_mask=decay_mask),
+    "sgd": lambda cfg, lr: optax.chain(optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+                                       optax.sgd(lr, momentum=cfg.b1)),
+}
+
+
+def learning_rate_schedule(cfg, total_steps):
+    """Linear warmup to cfg.lr, then the decay cfg.schedule names."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    decay = DECAYS[cfg.schedule](cfg, max(total_steps - warmup, 1))
+    warm = optax.linear_schedule(0.0, cfg.lr, warmup) if warmup else optax.constant_schedule(cfg.lr)
+    return optax.join_schedules([warm, decay], [warmup])
+
+
 def make_optimizer(cfg, total_steps):
-    """cfg: the optimizer ConfigDict. Returns (optax transformation, lr schedule)."""
+    """cfg: config.OptimizerConfig. Returns (optax transformation, lr schedule)."""
     schedule = learning_rate_schedule(cfg, total_steps)
-    if cfg.name == "adamw":
-        core = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask)
-    elif cfg.name == "adafactor":
-        core = optax.adafactor(schedule, weight_decay_rate=cfg.weight_decay or None,
-                               weight_decay_mask=decay_mask)
-    elif cfg.name == "sgd":
-        core = optax.chain(optax.add_decayed_weights(cfg.weight_decay, decay_mask),
-                           optax.sgd(schedule, momentum=cfg.b1))
-    else:
-        raise ValueError(f"--optimizer.name: unknown '{cfg.name}'; use adamw, adafactor or sgd")
     clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, core), schedule
+    return optax.chain(clip, OPTIMIZERS[cfg.name](cfg, schedule)), schedule

@@ -10,21 +10,27 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from absl import logging as absl_logging
 
-from trainer import checkpoint, config
+from trainer import loading
+from trainer.config import Dtype
+from trainer.errors import UserError
+from trainer.flags import flag, parse_or_exit
 from trainer.generate import generate
 
-FLAGS = {
-    "checkpoint": ("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) or HF dir"),
-    "host": ("127.0.0.1", "address to bind"),
-    "port": (8000, "port to bind"),
-    "tokenizer": ("", "override the checkpoint's tokenizer"),
-    "dtype": ("float32", "compute dtype: float32 | bfloat16"),
-    "max_new_tokens": (256, "upper bound on max_tokens per request"),
-}
+@dataclass(frozen=True)
+class ServeFlags:
+    checkpoint: str = flag("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) "
+                           "or HF dir")
+    host: str = flag("127.0.0.1", "address to bind")
+    port: int = flag(8000, "port to bind")
+    tokenizer: str = flag("", "override the checkpoint's tokenizer")
+    dtype: Dtype = flag("float32", "compute dtype")
+    max_new_tokens: int = flag(256, "upper bound on max_tokens per request")
+
 
 CHAT_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>meshlm chat</title>
 <style>body{font-family:sans-serif;max-width:720px;margin:2em auto}#log div{margin:.5em 0;
@@ -79,8 +85,7 @@ class Server:
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("'prompt' must be a string or a list of strings")
-        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-        prompts = [bos + self.tokenizer.encode(t) for t in texts]
+        prompts = self.tokenizer.encode_texts(texts)
         results = self._sample(prompts, body)
         choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
                    for i, (text, reason, _) in enumerate(results)]
@@ -145,7 +150,7 @@ def make_handler(server):
                 self._send(200, routes[self.path](body))
             except json.JSONDecodeError as e:
                 self._error(400, f"the request body is not valid JSON ({e.msg})")
-            except (RequestError, config.UserError, ValueError, TypeError) as e:
+            except (RequestError, UserError, ValueError, TypeError) as e:
                 self._error(400, str(e))
 
         def log_message(self, fmt, *args):  # one short line per request on stderr
@@ -156,13 +161,12 @@ def make_handler(server):
 
 def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)
-    cfg = config.parse_or_exit("trainer.serve", FLAGS, argv)
+    cfg = parse_or_exit("trainer.serve", ServeFlags, argv)
     try:
-        model, params, tokenizer = checkpoint.load_model(cfg.checkpoint, cfg.tokenizer,
-                                                         cfg.dtype)
+        model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
         server = Server(model, params, tokenizer, cfg.checkpoint.rstrip("/"), cfg.max_new_tokens)
         httpd = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
-    except config.UserError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     except OSError as e:
         sys.exit(f"error: cannot listen on {cfg.host}:{cfg.port} ({e.strerror}); "

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from trainer.config import UserError
+from trainer.errors import UserError
 
 MESH_AXES = ("dp", "fsdp", "tp")
 BATCH_AXES = ("dp", "fsdp")  # the batch is split over data and fully-sharded-data parallelism
@@ -56,6 +56,33 @@ LOGICAL_AXES = {
 }
 
 
+# When tp does not divide the kv heads, k/v weights are whole on every tp shard (split
+# over fsdp only) and the model repeats kv heads to match (model.kv_repeats).
+KV_REPLICATED_RULES = [
+    (r"self_attn/[kv]_proj/kernel$", P("fsdp", None)),
+    (r"self_attn/[kv]_proj/bias$", P()),
+]
+
+
+def param_rules(model_cfg, mesh):
+    """The rule table of one model on one mesh: its family's extra rules, then the kv
+    replication rules where tp exceeds what the kv heads allow, then PARAM_RULES."""
+    rules = list(model_cfg.family.sharding_rules)
+    if model_cfg.num_key_value_heads % mesh.shape["tp"]:
+        rules += KV_REPLICATED_RULES
+    return rules + PARAM_RULES
+
+
+def axis_size(logical_axis):
+    """How many ways the set mesh splits a logical axis (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = LOGICAL_AXES[logical_axis]
+    if mesh.empty or axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def constrain(x, logical_axes):
     """Pin an activation's sharding by logical axis names; a no-op without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -87,12 +114,12 @@ def _fit(spec, shape, mesh):
     return P(*axes)
 
 
-def spec_for(path, shape, mesh):
-    """The PartitionSpec of one array in the train state, found by PARAM_RULES."""
+def spec_for(path, shape, mesh, rules=PARAM_RULES):
+    """The PartitionSpec of one array in the train state: the first rule that matches."""
     if len(shape) == 0:
         return P()  # step counters, RNG keys, optimizer counts
     name = path_str(path)
-    for pattern, spec in PARAM_RULES:
+    for pattern, spec in rules:
         if re.search(pattern, name):
             if len(spec) > len(shape):  # a factored optimizer statistic of this parameter
                 return P()
@@ -101,11 +128,13 @@ def spec_for(path, shape, mesh):
                         "trainer/sharding.py PARAM_RULES; add one")
 
 
-def state_shardings(abstract_state, mesh):
+def state_shardings(abstract_state, mesh, rules=PARAM_RULES):
     """NamedShardings for a whole pytree (params, or the train state with optimizer moments,
-    which follow their parameter's rule because their paths end in the parameter's path)."""
+    which follow their parameter's rule because their paths end in the parameter's path).
+    rules: param_rules(model_cfg, mesh) for a model's state."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, spec_for(path, leaf.shape, mesh)), abstract_state)
+        lambda path, leaf: NamedSharding(mesh, spec_for(path, leaf.shape, mesh, rules)),
+        abstract_state)
 
 
 def batch_sharding(mesh):
@@ -138,13 +167,12 @@ def make_mesh(text, model_cfg=None, batch_size=None, grad_accum=1, devices=None)
     devices = devices if devices is not None else jax.devices()
     dp, fsdp, tp = parse_mesh(text, len(devices))
     if model_cfg is not None:
-        # Each tp shard holds whole attention heads: tp divides both head counts.
-        heads, kv_heads = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
-        for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-            if count % tp:
-                fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-                raise ShardingError(f"--mesh={text}: tp={tp} must divide model.{field}={count}; "
-                                    f"use tp in {{{', '.join(map(str, fits))}}}")
+        # Each tp shard holds whole query heads (kv heads are repeated when tp exceeds them).
+        heads = model_cfg.num_attention_heads
+        if heads % tp:
+            fits = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ShardingError(f"--mesh={text}: tp={tp} must divide model.num_attention_heads="
+                                f"{heads}; use tp in {{{', '.join(map(str, fits))}}}")
     if batch_size is not None:
         rows = dp * fsdp * grad_accum
         if batch_size % rows:

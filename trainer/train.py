@@ -7,6 +7,7 @@ jax.jit(train_step) -> loop: batch(step) -> step -> log -> checkpoint -> HF expo
 jax.jit's shardings. Run with --help for every flag.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,8 +25,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from trainer import checkpoint, config, data, optim, sharding
-from trainer.model import DTYPES, batch_loss, build_model, flops_per_token
+from trainer import checkpoint, data, flags, loading, optim, sharding
+from trainer.config import TrainConfig
+from trainer.errors import UserError
+from trainer.families import ModelConfig
+from trainer.flags import ConfigError
+from trainer.model import batch_loss, build_model
+from trainer.tokenizer import load_tokenizer
 
 # Peak dense bf16 TFLOP/s per device, for MFU, by a part of jax's device_kind (the longest
 # match wins: "TPU v5 lite" is a v5e, "TPU v5" a v5p). Override with --peak_tflops.
@@ -119,34 +125,23 @@ def fresh_state(params, optimizer, rng):
 # ------------------------------------------------------------------ setup
 def resolve_config(argv):
     """Parse flags; with --init_from, the model and tokenizer come from that source."""
-    cfg = config.parse_flags(argv)
-    if cfg.init_from:
-        from trainer import hf
-        if not hf.is_hf_dir(cfg.init_from) and not checkpoint.is_checkpoint(cfg.init_from):
-            raise config.ConfigError(f"--init_from: '{cfg.init_from}' is neither a Hugging Face "
-                                     "model dir (with config.json) nor a meshlm checkpoint")
-        base, tokenizer = checkpoint.model_source(cfg.init_from, cfg.tokenizer)
-        cfg = config.parse_flags(argv, base_model=base)
-        cfg.tokenizer = tokenizer  # --tokenizer if given, else the source's
-    cfg.tokenizer = cfg.tokenizer or "bytes"
-    if cfg.push_to_hub and not cfg.export_hf:
-        raise config.ConfigError("--push_to_hub uploads the --export_hf dir; pass "
-                                 "--export_hf=DIR as well")
+    given = dict(flags.split_args(argv))
+    defaults = {}
+    if given.get("init_from"):
+        if "model" in given:
+            raise ConfigError("--model and --init_from both name a model; drop --model "
+                              "(override single fields with --model.<field>=)")
+        try:
+            model, tokenizer = loading.model_source(given["init_from"], given.get("tokenizer") or "")
+        except loading.SourceError as e:
+            raise ConfigError(f"--init_from: {e}") from None
+        defaults = {"model": model, "tokenizer": tokenizer}
+    cfg = flags.parse(TrainConfig, argv, defaults)
+    if not cfg.tokenizer:
+        cfg = dataclasses.replace(cfg, tokenizer="bytes")
     if cfg.export_hf:  # fail now, not after training
         from trainer import hf
         hf.check_export_dir(cfg.export_hf)
-    for name in ("dtype", "param_dtype"):
-        if cfg[name] not in DTYPES:
-            raise config.ConfigError(f"--{name}: unknown '{cfg[name]}'; use one of "
-                                     + ", ".join(DTYPES))
-    if cfg.seq_len > cfg.model.max_position_embeddings:
-        raise config.ConfigError(
-            f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings="
-            f"{cfg.model.max_position_embeddings}; lower --seq_len or raise "
-            "--model.max_position_embeddings")
-    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
-        if cfg[name] < 1:
-            raise config.ConfigError(f"--{name} must be at least 1, got {cfg[name]}")
     return cfg
 
 
@@ -208,26 +203,15 @@ def prepare_output_dir(cfg):
     if cfg.resume == "never":
         if fs.exists(cfg.output_dir) and fs.ls(cfg.output_dir):
             if not cfg.overwrite:
-                raise config.ConfigError(f"--output_dir={cfg.output_dir} is not empty; pass "
-                                         "--overwrite to start over there, or pick another dir")
+                raise ConfigError(f"--output_dir={cfg.output_dir} is not empty; pass "
+                                  "--overwrite to start over there, or pick another dir")
             if jax.process_index() == 0:
                 fs.rm(cfg.output_dir, recursive=True)
-    elif cfg.resume != "auto":
-        raise config.ConfigError(f"--resume: expected auto or never, got '{cfg.resume}'")
     if jax.process_index() == 0:
         fs.makedirs(cfg.output_dir, exist_ok=True)
     if jax.process_count() > 1:  # nobody looks into the dir before process 0 has cleared it
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("meshlm:prepare_output_dir")
-
-
-def parse_nan_steps(text):
-    """--debug_nan_steps='3,4,5' -> (3, 4, 5)."""
-    try:
-        return tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
-    except ValueError:
-        raise config.ConfigError(f"--debug_nan_steps: expected comma-separated step numbers, "
-                                 f"got '{text}'") from None
 
 
 class StopSignal:
@@ -276,7 +260,8 @@ class Trainer:
         init_fn = functools.partial(init_state, model=self.model, optimizer=self.optimizer,
                                     seq_len=cfg.seq_len)
         shapes = jax.eval_shape(init_fn, self.rng)
-        self.state_shardings = sharding.state_shardings(shapes, mesh)
+        self.state_shardings = sharding.state_shardings(
+            shapes, mesh, sharding.param_rules(cfg.model, mesh))
         self.abstract_state = checkpoint.abstract_with_shardings(shapes, self.state_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -288,7 +273,7 @@ class Trainer:
             functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                               schedule=self.schedule, grad_accum=cfg.grad_accum,
                               spike_sigma=cfg.spike_sigma,
-                              nan_steps=parse_nan_steps(cfg.debug_nan_steps)),
+                              nan_steps=cfg.debug_nan_steps),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self.eval_fn = jax.jit(functools.partial(batch_loss, self.model),
@@ -315,9 +300,9 @@ def _run(cfg, stop):
     log = tqdm.write if is_main else (lambda *a, **k: None)  # above the progress bar
 
     mesh = sharding.make_mesh(cfg.mesh, cfg.model, cfg.batch_size, cfg.grad_accum)
-    tokenizer = data.load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise config.ConfigError(
+        raise ConfigError(
             f"tokenizer '{cfg.tokenizer}' has {tokenizer.vocab_size} tokens but "
             f"model.vocab_size={cfg.model.vocab_size}; pass --model.vocab_size="
             f"{-(-tokenizer.vocab_size // 128) * 128}")
@@ -332,7 +317,7 @@ def _run(cfg, stop):
     start = mngr.latest_step() if cfg.resume == "auto" else None
     with jax.set_mesh(mesh):
         if start is not None:
-            saved = checkpoint.read_meta(mngr, start)["model"]
+            saved = ModelConfig.from_dict(checkpoint.read_meta(mngr, start)["model"]).to_dict()
             if saved != cfg.model.to_dict():
                 diff = [k for k in saved if saved[k] != cfg.model.to_dict().get(k)]
                 raise checkpoint.CheckpointError(
@@ -349,7 +334,7 @@ def _run(cfg, stop):
         else:
             start = 0
             if cfg.init_from:
-                state = trainer.fresh_state(checkpoint.load_weights(
+                state = trainer.fresh_state(loading.load_weights(
                     cfg.init_from, cfg.model, abstract_state["params"]))
             else:
                 state = trainer.fresh_state()
@@ -381,16 +366,16 @@ def _run(cfg, stop):
         example = global_batch(train_data.batch(start, cfg.batch_size, cfg.seed, rows=host_rows))
         compiled = step_fn.lower(state, example).compile()
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        model_flops = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_step
+        model_flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_step
         xla_flops = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
         peak = peak_tflops(cfg)
-        log(f"model: {cfg.model_name}, {sum(x.size for x in jax.tree.leaves(state['params'])):,} "
+        log(f"model: {cfg.model.model_type}, {sum(x.size for x in jax.tree.leaves(state['params'])):,} "
             f"params; mesh dp,fsdp,tp = {tuple(mesh.shape.values())} over {jax.device_count()} "
             f"devices; FLOPs/step analytic {model_flops:.3g}, XLA {xla_flops:.3g}")
 
         if is_main:
             with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
-                f.write(json.dumps({"argv": sys.argv[1:], **cfg.to_dict()}, indent=2))
+                f.write(json.dumps({"argv": sys.argv[1:], **flags.to_dict(cfg)}, indent=2))
         metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start) \
             if is_main else None
         if start == 0:
@@ -475,14 +460,18 @@ def _run(cfg, stop):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "--helpfull") for a in argv):
-        print(config.help_text("trainer.train"))
+        print(flags.help_text("trainer.train", TrainConfig))
         return
     try:
-        cfg = config.parse_flags(argv)  # fail fast on bad flags, before touching devices
-        sharding.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+        # Joining the other hosts comes before any JAX call, reading --init_from included.
+        hosts = flags.parse(TrainConfig, [f"--{k}={v}" for k, v in flags.split_args(argv)
+                                          if k in ("coordinator_address", "num_processes",
+                                                   "process_id")])
+        sharding.init_distributed(hosts.coordinator_address, hosts.num_processes,
+                                  hosts.process_id)
         jax.config.update("jax_threefry_partitionable", True)
         run(resolve_config(argv))
-    except config.UserError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
 
 

@@ -1,0 +1,73 @@
+"""Open a model from wherever it lives: a meshlm checkpoint or a Hugging Face model dir.
+
+The one place that tells the two apart. train (--init_from), convert, eval, generate and
+serve all come through here for a model's config, tokenizer and weights.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from trainer import checkpoint, hf
+from trainer.errors import UserError
+from trainer.families import ModelConfig
+
+
+class SourceError(UserError):
+    """A path that holds no model; one line naming it."""
+
+
+def kind(path):
+    """'hf' for a Hugging Face model dir, 'checkpoint' for a meshlm checkpoint."""
+    if hf.is_hf_dir(path):
+        return "hf"
+    try:
+        if not path:
+            raise checkpoint.CheckpointError("no path")
+        checkpoint.locate(path)
+        return "checkpoint"
+    except checkpoint.UnfinishedCheckpoint:
+        raise
+    except checkpoint.CheckpointError:
+        pass
+    raise SourceError(f"{path!r} is neither a Hugging Face model dir (with config.json) nor a "
+                      "meshlm checkpoint (a run dir, its checkpoints/ or checkpoints/<step>)")
+
+
+def model_source(path, tokenizer=""):
+    """(ModelConfig, tokenizer spec) of a model source; `tokenizer` overrides its own."""
+    if kind(path) == "hf":
+        return hf.model_config_from_hf(path), hf.tokenizer_spec(path, tokenizer)
+    meta, _ = checkpoint.load_meta(path)
+    return ModelConfig.from_dict(meta["model"]), tokenizer or meta["tokenizer"]
+
+
+def load_weights(path, model_cfg: ModelConfig, abstract_params):
+    """The weights of a model source, onto abstract_params' shardings."""
+    if kind(path) == "hf":
+        return hf.load_params(path, model_cfg, abstract_params)
+    return checkpoint.load_params(path, abstract_params)
+
+
+def abstract_params(model, sharding, dtype=None):
+    """ShapeDtypeStructs of a model's params (in `dtype`, default the model's param dtype),
+    on one sharding or a pytree of them."""
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
+    if isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or model.param_dtype,
+                                                          sharding=s), shapes, sharding)
+
+
+def load_model(path, tokenizer="", dtype="float32"):
+    """A model source -> (model, params, tokenizer) on one device, for eval, generate and
+    serve. `tokenizer` overrides the source's own."""
+    from trainer.model import build_model
+    from trainer.tokenizer import load_tokenizer
+    if not path:
+        raise SourceError("--checkpoint is required: a meshlm checkpoint or HF model dir")
+    model_cfg, tokenizer = model_source(path, tokenizer)
+    model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = load_weights(path, model_cfg, abstract_params(model, device))
+    return model, params, load_tokenizer(tokenizer)
