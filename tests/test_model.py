@@ -128,7 +128,7 @@ def test_batched_greedy_generation_matches_recompute():
 
 @pytest.mark.parametrize("name,published", [
     ("llama2_7b", 6.74e9), ("llama3_8b", 8.03e9), ("llama3.2_1b", 1.24e9),
-    ("mistral_7b", 7.25e9), ("qwen2.5_0.5b", 0.494e9), ("qwen3_0.6b", 0.44e9),
+    ("mistral_7b", 7.25e9), ("phi3_mini", 3.82e9), ("qwen2.5_0.5b", 0.494e9), ("qwen3_0.6b", 0.44e9),
     ("gemma3_1b", 1.0e9)])
 def test_preset_shapes_have_published_sizes(name, published):
     cfg = PRESETS[name]

@@ -47,6 +47,10 @@ FAMILIES = {
     "mistral_window": (transformers.MistralConfig, dict(
         num_key_value_heads=2, sliding_window=WINDOW,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "bos"),
+    # Fused qkv_proj and gate_up_proj tensors, one window for all layers.
+    "phi3": (transformers.Phi3Config, dict(
+        num_key_value_heads=2, sliding_window=WINDOW,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "bos"),
     "qwen2": (transformers.Qwen2Config, dict(
         num_key_value_heads=2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "plain"),

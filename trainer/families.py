@@ -306,6 +306,13 @@ def _mistral_to_hf(cfg):
     return _one_window(cfg, "MistralForCausalLM")
 
 
+def _phi3_to_hf(cfg):
+    _no_bias(cfg, "Phi3ForCausalLM")
+    _require(cfg.rope_scaling.rope_type != "yarn", "transformers reads Phi-3's yarn as "
+             "longrope; use another rope_scaling.rope_type")
+    return _one_window(cfg, "Phi3ForCausalLM")
+
+
 def _qwen2_from_hf(hfc):
     return _read_window(hfc)
 
@@ -375,6 +382,16 @@ FAMILIES = {f.model_type: f for f in [
            presets={"mistral_7b": dict(vocab_size=32768, intermediate_size=14336,
                                        num_key_value_heads=8, max_position_embeddings=32768,
                                        rope_theta=1000000.0)}),
+    # LLaMA with fused q/k/v and gate/up tensors: the weight map splits them.
+    Family("phi3", "Phi3ForCausalLM", "Phi3Config",
+           from_hf=_mistral_from_hf, to_hf=_phi3_to_hf,
+           fused=(("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
+                                          "self_attn.v_proj")),
+                  ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
+           presets={"phi3_mini": dict(vocab_size=32064, hidden_size=3072,
+                                      intermediate_size=8192, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=32,
+                                      max_position_embeddings=4096, sliding_window=2047)}),
     Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", Switches(qkv_bias=True),
            from_hf=_qwen2_from_hf, to_hf=_qwen2_to_hf,
            presets={"qwen2.5_0.5b": dict(vocab_size=151936, hidden_size=896,
