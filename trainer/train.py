@@ -65,14 +65,17 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
         return (grad_sum, loss_sum + loss, count + n), None
 
-    # [B, T] -> [A, B/A, T] such that every micro-batch keeps each device's share of rows.
-    micro_batches = jax.tree.map(
-        lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
-        batch)
     # Gradients add up in float32, whatever the parameter dtype.
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-    (grad_sum, loss_sum, count), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.float32(0), jnp.float32(0)), micro_batches)
+    carry = (zeros, jnp.float32(0), jnp.float32(0))
+    if grad_accum == 1:  # no loop: XLA fuses the backward pass with what follows
+        (grad_sum, loss_sum, count), _ = accumulate(carry, batch)
+    else:
+        # [B, T] -> [A, B/A, T] such that every micro-batch keeps each device's share of rows.
+        micro_batches = jax.tree.map(
+            lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
+            batch)
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, carry, micro_batches)
     count = jnp.maximum(count, 1.0)
     loss = loss_sum / count
     grads = jax.tree.map(lambda g: g / count, grad_sum)
