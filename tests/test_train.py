@@ -214,3 +214,50 @@ def test_bad_input_gives_one_clear_line(tmp_path, case):
     for needle in needles:
         assert needle in lines[-1], lines[-1]
     assert not (out_dir / "checkpoints").exists()
+
+
+def test_async_loop_gives_the_same_metrics_and_the_compile_cache_serves_a_rerun(tmp_path):
+    """The asynchronous loop (prefetch, metrics fetched on logging steps only) logs exactly
+    what waiting on every step logs; the second run compiles nothing new (every program
+    comes from the persistent cache, which the first run filled)."""
+    cache = tmp_path / "xla"
+    common = [*SMALL, "--steps=6", "--log_every=2", "--eval_every=4",
+              f"--compile_cache={cache}"]
+    run_cli("train", *common, f"--output_dir={tmp_path / 'async'}")
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries  # the first run wrote its compiled programs
+    run_cli("train", *common, "--async_loop=false", f"--output_dir={tmp_path / 'sync'}")
+    assert sorted(p.name for p in cache.iterdir()) == entries  # nothing compiled anew
+    fields = ("step", "loss", "grad_norm", "lr", "val_loss", "tokens")
+    a, b = (read_metrics(tmp_path / name) for name in ("async", "sync"))
+    assert [{k: r.get(k) for k in fields} for r in a] == [{k: r.get(k) for k in fields} for r in b]
+    assert [r["step"] for r in a] == [0, 2, 4, 6]
+    assert [r["step"] for r in a if "val_loss" in r] == [0, 4, 6]
+
+
+def test_device_benchmark_runs_here_as_a_smoke_test():
+    """bench/bench_device.py (scripts/bench_device.sh on a GPU) on the CPU, tiny: it runs
+    and reports what it measured."""
+    import subprocess
+    import sys
+    from conftest import cli_env
+    proc = subprocess.run([sys.executable, "bench/bench_device.py", "--model=tiny",
+                           "--seq_len=64", "--batch_size=2", "--dtype=float32"], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["attention"] == "blockwise" and result["tokens_per_s"] > 0
+    assert result["params"] == 885888 and result["loss"] > 0
+
+
+def test_bad_steps_between_logging_steps_are_each_reported_and_stop_the_run(tmp_path):
+    """Metrics stay on the device until a logging step; then every step since the last
+    log is read, so a streak of bad steps inside the window still stops the run."""
+    proc = run_cli("train", *SMALL, "--steps=8", "--log_every=5", "--max_bad_steps=3",
+                   "--debug_nan_steps=2,3,4", f"--output_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 1, proc.stderr
+    for step, streak in ((2, 1), (3, 2), (4, 3)):
+        assert f"step {step}: skipped the update (loss nan, grad_norm nan); {streak} bad in a " \
+               "row" in proc.stdout
+    assert "error: 3 bad steps in a row at step 4 " in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 5]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.families import PRESETS, ModelConfig
+from trainer.attention import IMPLEMENTATIONS
 from trainer.flags import ConfigError, flag
 from trainer.model import DTYPES, REMAT_POLICIES
 from trainer.optim import DECAYS, OPTIMIZERS
@@ -64,6 +65,10 @@ class TrainConfig:
     param_dtype: Dtype = flag("float32", "parameter (and optimizer state) dtype")
     remat: Literal[("none",) + tuple(REMAT_POLICIES)] = flag(
         "none", "activation checkpointing per block: what each block keeps for the backward pass")
+    attention: Literal[IMPLEMENTATIONS] = flag(
+        "auto", "attention kernel (auto: cudnn on GPU in bf16, splash on TPU, else blockwise)")
+    loss_chunk: int = flag(0, "sequence positions per cross-entropy chunk, so that full logits "
+                           "never exist (0: auto, by vocab and batch size)")
     mesh: str = flag("1,-1,1", "device mesh dp,fsdp,tp; one entry may be -1 (the devices "
                      "left over)")
     output_dir: str = flag("runs/tiny", "run directory (local or gs://): config.json, "
@@ -85,6 +90,10 @@ class TrainConfig:
                                             "logged) whose loss is made NaN")
     export_hf: str = flag("", "after training, write a Hugging Face model dir here")
     push_to_hub: str = flag("", "after --export_hf, upload it to this HF hub repo id")
+    async_loop: bool = flag(True, "prepare the next batch while the device runs, and fetch "
+                            "metrics only on logging steps (false: wait on every step)")
+    compile_cache: str = flag("~/.cache/meshlm/jax", "persistent XLA compilation cache dir, so "
+                              "a re-run skips compiling (empty: off)")
     peak_tflops: float = flag(0.0, "peak bf16 TFLOP/s per device for MFU (0: look up the "
                               "device kind)")
     coordinator_address: str = flag("", "multi-host: host:port of process 0 (empty: "
@@ -98,7 +107,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "save_every", "keep", "keep_every"):
+        for name in ("eval_every", "eval_batches", "save_every", "keep", "keep_every",
+                     "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be 0 or more, got {getattr(self, name)}")
         if self.seq_len > self.model.max_position_embeddings:
@@ -106,6 +116,9 @@ class TrainConfig:
                 f"--seq_len={self.seq_len} is longer than the model's max_position_embeddings="
                 f"{self.model.max_position_embeddings}; lower --seq_len or raise "
                 "--model.max_position_embeddings")
+        if self.loss_chunk and self.seq_len % self.loss_chunk:
+            raise ConfigError(f"--loss_chunk={self.loss_chunk} must divide --seq_len="
+                              f"{self.seq_len}")
         if self.push_to_hub and not self.export_hf:
             raise ConfigError("--push_to_hub uploads the --export_hf dir; pass --export_hf=DIR "
                               "as well")

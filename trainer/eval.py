@@ -18,7 +18,7 @@ from trainer import data, loading
 from trainer.config import DataConfig, DataFormat, Dtype
 from trainer.errors import UserError
 from trainer.flags import ConfigError, flag, parse_or_exit
-from trainer.model import batch_loss
+from trainer.model import batch_loss, loss_chunk_for
 
 @dataclass(frozen=True)
 class EvalFlags:
@@ -61,6 +61,8 @@ def main(argv=None):
                               messages_field=cfg.messages_field, split=cfg.split,
                               val_fraction=0.0, cache_dir=cfg.cache_dir)
         dataset, _ = data.load_dataset(data_cfg, tokenizer, cfg.seq_len)
+        model = model.clone(loss_chunk=loss_chunk_for(cfg.batch_size, cfg.seq_len,
+                                                      model.cfg.vocab_size))
         loss, tokens = evaluate(model, params, dataset, cfg.batch_size, cfg.max_batches)
     except UserError as e:
         sys.exit(f"error: {e}")

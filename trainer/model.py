@@ -303,7 +303,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens [B, T] -> logits [B, T, V] (float32).
+    """tokens [B, T] -> logits [B, T, V] (float32); with targets and loss_mask [B, T],
+    the summed loss and target count instead (chunked_cross_entropy).
 
     segment_ids [B, T] (packed rows): tokens attend only within their own segment.
     For decoding, pass kv_cache (one {'k', 'v'} of [B, S, K, Dh] per layer, from
@@ -316,10 +317,11 @@ class Transformer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     remat: str = "none"
     attention_impl: str = "auto"  # one of attention.IMPLEMENTATIONS
+    loss_chunk: int = 0  # sequence positions per loss chunk (0: no chunks)
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, kv_cache=None, cache_index=0,
-                 key_mask=None):
+                 key_mask=None, targets=None, loss_mask=None):
         cfg = self.cfg
         B, T = tokens.shape
         if positions is None:
@@ -350,24 +352,61 @@ class Transformer(nn.Module):
 
         x = _norm(cfg, self.dtype, self.param_dtype, "norm")(x)
         if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
+            head = embed.embedding.T  # [D, V]
         else:
-            logits = _dense(cfg.vocab_size, False, self.dtype, self.param_dtype, "lm_head")(x)
-        logits = logits.astype(jnp.float32)
-        if cfg.final_logit_softcapping:  # Gemma: squash logits smoothly into (-cap, cap)
-            cap = cfg.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
-        logits = constrain(logits, ("batch", "seq", "vocab"))
+            head, _ = LinearParams(cfg.vocab_size, False, self.param_dtype, name="lm_head")(
+                cfg.hidden_size)
+
+        def logits_of(h):  # [B, C, D] -> [B, C, V] float32
+            logits = project(h, head.astype(self.dtype)).astype(jnp.float32)
+            if cfg.final_logit_softcapping:  # Gemma: squash logits smoothly into (-cap, cap)
+                cap = cfg.final_logit_softcapping
+                logits = jnp.tanh(logits / cap) * cap
+            return constrain(logits, ("batch", "seq", "vocab"))
+
+        if targets is not None:
+            return chunked_cross_entropy(logits_of, x, targets, loss_mask, self.loss_chunk)
         if kv_cache is not None:
-            return logits, new_cache
-        return logits
+            return logits_of(x), new_cache
+        return logits_of(x)
+
+
+def chunked_cross_entropy(logits_of, x, targets, mask, chunk):
+    """cross_entropy over sequence chunks of `chunk` positions, each chunk's logits made,
+    used and dropped in turn (and made again in the backward pass), so that the full
+    [B, T, V] logits never exist: at a 128k vocab they are the largest activation."""
+    B, T, _ = x.shape
+    if not chunk or chunk >= T:
+        return cross_entropy(logits_of(x), targets, mask)
+    if T % chunk:
+        raise ValueError(f"loss chunk {chunk} must divide the sequence length {T}")
+
+    @jax.checkpoint
+    def chunk_loss(carry, part):
+        h, t, m = part
+        loss, count = cross_entropy(logits_of(h), t, m)
+        return (carry[0] + loss, carry[1] + count), None
+
+    split = lambda a: a.reshape(B, T // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    (loss, count), _ = jax.lax.scan(chunk_loss, (jnp.float32(0), jnp.float32(0)),
+                                    (split(x), split(targets), split(mask)))
+    return loss, count
+
+
+def loss_chunk_for(batch_size, seq_len, vocab_size, budget=2 ** 24):
+    """Sequence positions per loss chunk: whole rows while the batch's logits stay within
+    `budget` entries (64 MB in float32), else the largest divisor of seq_len that does."""
+    if batch_size * seq_len * vocab_size <= budget:
+        return seq_len
+    fits = max(1, budget // (batch_size * vocab_size))
+    return max(d for d in range(1, min(fits, seq_len) + 1) if seq_len % d == 0)
 
 
 def build_model(model_cfg: ModelConfig, dtype="float32", param_dtype="float32", remat="none",
-                attention_impl="auto"):
+                attention_impl="auto", loss_chunk=0):
     """The Transformer for a model config, computing in `dtype`, storing `param_dtype`."""
     return Transformer(model_cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype],
-                       remat=remat, attention_impl=attention_impl)
+                       remat=remat, attention_impl=attention_impl, loss_chunk=loss_chunk)
 
 
 def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):
@@ -377,9 +416,11 @@ def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):
 
 
 def batch_loss(model, params, batch):
-    """Summed loss and target count of a batch {'inputs', 'targets', 'loss_mask'}."""
-    logits = model.apply({"params": params}, batch["inputs"])
-    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    """Summed loss and target count of a batch {'inputs', 'targets', 'loss_mask'}, with
+    'positions' and 'segment_ids' where rows pack several documents."""
+    return model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
+                       segment_ids=batch.get("segment_ids"), targets=batch["targets"],
+                       loss_mask=batch["loss_mask"])
 
 
 def cross_entropy(logits, targets, mask):

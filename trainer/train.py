@@ -7,6 +7,7 @@ jax.jit(train_step) -> loop: batch(step) -> step -> log -> checkpoint -> HF expo
 jax.jit's shardings. Run with --help for every flag.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -25,12 +26,12 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from trainer import checkpoint, data, flags, loading, optim, sharding
+from trainer import attention, checkpoint, data, flags, loading, optim, sharding
 from trainer.config import TrainConfig
 from trainer.errors import UserError
 from trainer.families import ModelConfig
 from trainer.flags import ConfigError
-from trainer.model import batch_loss, build_model
+from trainer.model import DTYPES, batch_loss, build_model, loss_chunk_for
 from trainer.tokenizer import load_tokenizer
 
 # Peak dense bf16 TFLOP/s per device, for MFU, by a part of jax's device_kind (the longest
@@ -257,7 +258,10 @@ class Trainer:
     files, so tests can build one per mesh. Call its functions under jax.set_mesh(mesh)."""
 
     def __init__(self, cfg, mesh):
-        self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat)
+        chunk = cfg.loss_chunk or loss_chunk_for(cfg.batch_size // cfg.grad_accum, cfg.seq_len,
+                                                 cfg.model.vocab_size)
+        self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat, cfg.attention,
+                                 chunk)
         self.optimizer, self.schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
         self.rng = jax.random.PRNGKey(cfg.seed)
         init_fn = functools.partial(init_state, model=self.model, optimizer=self.optimizer,
@@ -311,153 +315,261 @@ def _run(cfg, stop):
             f"{-(-tokenizer.vocab_size // 128) * 128}")
     train_data, val_data = data.load_dataset(cfg.data, tokenizer, cfg.seq_len)
     prepare_output_dir(cfg)
-
     trainer = Trainer(cfg, mesh)
-    abstract_state, batch_sharding = trainer.abstract_state, trainer.batch_sharding
-
     mngr = checkpoint.manager(checkpoint.checkpoint_dir(cfg.output_dir), cfg.keep, cfg.keep_every)
-    meta = checkpoint.to_json_meta(cfg.model, cfg.tokenizer, cfg)
-    start = mngr.latest_step() if cfg.resume == "auto" else None
-    with jax.set_mesh(mesh):
-        if start is not None:
-            saved = ModelConfig.from_dict(checkpoint.read_meta(mngr, start)["model"]).to_dict()
-            if saved != cfg.model.to_dict():
-                diff = [k for k in saved if saved[k] != cfg.model.to_dict().get(k)]
-                raise checkpoint.CheckpointError(
-                    f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
-                    f"{saved[diff[0]]} there); use another --output_dir, or --resume=never "
-                    "--overwrite")
-            if start >= cfg.steps:
-                log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
-                    "nothing to do. Raise --steps to train on.")
-                mngr.close()
-                return None
-            state = checkpoint.restore(mngr, start, abstract_state)
-            log(f"resuming from step {start} of {cfg.output_dir}")
-        else:
-            start = 0
-            if cfg.init_from:
-                state = trainer.fresh_state(loading.load_weights(
-                    cfg.init_from, cfg.model, abstract_state["params"]))
-            else:
-                state = trainer.fresh_state()
-
-        step_fn, eval_fn = trainer.step_fn, trainer.eval_fn
-
-        def global_batch(rows):
-            """This host's rows of a batch -> one global array sharded over (dp, fsdp)."""
-            return {k: jax.make_array_from_process_local_data(
-                batch_sharding, v, (cfg.batch_size,) + v.shape[1:]) for k, v in rows.items()}
-
-        host_rows = sharding.host_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
-
-        def evaluate():
-            """Mean held-out loss (None without a validation split)."""
-            if val_data.num_rows == 0:
-                return None
-            loss_sum, count = 0.0, 0.0
-            for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
-                if cfg.eval_batches and i >= cfg.eval_batches:
-                    break
-                s, n = eval_fn(state["params"], global_batch(
-                    {k: v[host_rows] for k, v in full.items()}))
-                loss_sum, count = loss_sum + float(s), count + float(n)
-            return loss_sum / max(count, 1.0)
-
-        # Compile ahead of time: the first step's timing stays honest, and XLA's own
-        # FLOP count cross-checks the analytic one used for MFU.
-        example = global_batch(train_data.batch(start, cfg.batch_size, cfg.seed, rows=host_rows))
-        compiled = step_fn.lower(state, example).compile()
-        tokens_per_step = cfg.batch_size * cfg.seq_len
-        model_flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_step
-        xla_flops = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
-        peak = peak_tflops(cfg)
-        log(f"model: {cfg.model.model_type}, {sum(x.size for x in jax.tree.leaves(state['params'])):,} "
-            f"params; mesh dp,fsdp,tp = {tuple(mesh.shape.values())} over {jax.device_count()} "
-            f"devices; FLOPs/step analytic {model_flops:.3g}, XLA {xla_flops:.3g}")
-
-        if is_main:
-            with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
-                f.write(json.dumps({"argv": sys.argv[1:], **flags.to_dict(cfg)}, indent=2))
-        metrics_log = MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start) \
-            if is_main else None
+    with jax.set_mesh(mesh), BatchFeed(cfg, train_data, trainer.batch_sharding) as feed:
+        state, start = restore_or_init(cfg, trainer, mngr, log)
+        if state is None:
+            return None
+        batch = feed.get(start)
+        compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
+        steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log)
+        evaluate = functools.partial(held_out_loss, cfg, trainer, val_data, feed)
         if start == 0:
-            val_loss = evaluate()  # every process: evaluation is a collective
-            if val_loss is not None and is_main:
-                metrics_log.write({"step": 0, "val_loss": val_loss})
-                log(f"step 0: val_loss {val_loss:.4f}")
-
+            steplog.val_loss(0, evaluate(state))  # the untrained model; every process takes part
         if stop.agreed():  # signalled during setup: nothing new to save
             log(f"stopped by signal before step {start + 1}; nothing new to save. Re-run the "
                 "same command to resume.")
             mngr.close()
             return state
-        bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
-        window_start, window_steps = time.perf_counter(), 0
+        saves = SavePolicy(cfg, mngr)
+
+        # The loop: the next batch is prepared while the device runs this step, and
+        # metrics come back to the host only on logging steps.
         step = start
-        while step < cfg.steps:
-            rows = train_data.batch(step, cfg.batch_size, cfg.seed, rows=host_rows)
-            sharding.debug_log_rows(step, host_rows, rows)
-            state, metrics = compiled(state, global_batch(rows))
-            metrics = jax.device_get(metrics)
-            step += 1
-            window_steps += 1
-            bar.update(1)
-            if metrics["skipped"]:
-                log(f"step {step}: skipped the update (loss {metrics['loss']}, grad_norm "
-                    f"{metrics['grad_norm']}); {metrics['bad_steps']} bad in a row")
-
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                elapsed = time.perf_counter() - window_start
-                tps = tokens_per_step * window_steps / elapsed
-                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                          "grad_norm": float(metrics["grad_norm"]),
-                          "tokens": step * tokens_per_step, "tokens_per_sec": tps,
-                          "tflops_per_device": model_flops / tokens_per_step * tps
-                          / mesh.size / 1e12}
-                if peak:
-                    record["mfu"] = record["tflops_per_device"] / peak
-                if metrics["skipped"]:
-                    record["skipped"] = True
-                if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and \
-                        val_data.num_rows:
-                    record["val_loss"] = evaluate()
-                if is_main:
-                    metrics_log.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
-                window_start, window_steps = time.perf_counter(), 0
-            if metrics["bad_steps"] >= cfg.max_bad_steps:
-                mngr.wait_until_finished()
-                last = mngr.latest_step()
-                where = (f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{last}" if last is not None
-                         else "none yet")
-                sys.exit(f"error: {cfg.max_bad_steps} bad steps in a row at step {step} (non-"
-                         f"finite or spiking loss); last good checkpoint: {where}. Lower "
-                         "--optimizer.lr or check the data, then re-run to resume from it")
-
-            stopping = stop.agreed()
-            periodic = cfg.save_every and step % cfg.save_every == 0 and not metrics["bad_steps"]
-            if step == cfg.steps or stopping or periodic:  # (no periodic save mid bad streak)
-                checkpoint.save(mngr, step, state, meta)
-            if stopping:
-                break
-        bar.close()
+        try:
+            while step < cfg.steps:
+                state, metrics = compiled(state, batch)
+                step += 1
+                if not cfg.async_loop:  # wait for the device, every step
+                    metrics = jax.device_get(metrics)
+                elif step < cfg.steps:
+                    feed.prefetch(step)
+                steplog.add(metrics)
+                # (several hosts agree on stopping through a collective: at logged steps only)
+                stopping = (jax.process_count() == 1 or steplog.due(step)) and stop.agreed()
+                if steplog.due(step):
+                    steplog.write(step, lambda: evaluate(state))
+                if saves.due(step, stopping, metrics):
+                    saves.save(step, state)
+                if stopping:
+                    break
+                batch = feed.get(step) if step < cfg.steps else None
+        except TooManyBadSteps as e:
+            mngr.wait_until_finished()
+            last = mngr.latest_step()
+            where = (f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{last}" if last is not None
+                     else "none yet")
+            raise UserError(f"{cfg.max_bad_steps} bad steps in a row at step {e.step} (non-"
+                            f"finite or spiking loss); last good checkpoint: {where}. Lower "
+                            "--optimizer.lr or check the data, then re-run to resume from it")
+        finally:
+            steplog.close()
         mngr.wait_until_finished()
         mngr.close()
-        if step < cfg.steps:
-            log(f"stopped by signal at step {step}; checkpoint saved in "
-                f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{step}. Re-run the same command "
-                "to resume from it.")
-            return state
-        log(f"done: {step} steps; checkpoint in {checkpoint.checkpoint_dir(cfg.output_dir)}/{step}")
-
-        if cfg.export_hf:
-            from trainer import hf
-            hf.export(state["params"], cfg.model, cfg.tokenizer, cfg.export_hf)
-            log(f"exported Hugging Face model to {cfg.export_hf}")
-            if cfg.push_to_hub:
-                hf.push_to_hub(cfg.export_hf, cfg.push_to_hub)
+    if step < cfg.steps:
+        log(f"stopped by signal at step {step}; checkpoint saved in "
+            f"{checkpoint.checkpoint_dir(cfg.output_dir)}/{step}. Re-run the same command "
+            "to resume from it.")
+        return state
+    log(f"done: {step} steps; checkpoint in {checkpoint.checkpoint_dir(cfg.output_dir)}/{step}")
+    export_at_end(cfg, state, log)
     return state
+
+
+# ------------------------------------------------------------------ the loop's parts
+def restore_or_init(cfg, trainer, mngr, log):
+    """(state, start step): the newest checkpoint in output_dir, else fresh weights or
+    --init_from's. (None, step) when output_dir is already trained to --steps."""
+    start = mngr.latest_step() if cfg.resume == "auto" else None
+    if start is None:
+        if cfg.init_from:
+            return trainer.fresh_state(loading.load_weights(
+                cfg.init_from, cfg.model, trainer.abstract_state["params"])), 0
+        return trainer.fresh_state(), 0
+    saved = ModelConfig.from_dict(checkpoint.read_meta(mngr, start)["model"]).to_dict()
+    if saved != cfg.model.to_dict():
+        diff = [k for k in saved if saved[k] != cfg.model.to_dict().get(k)]
+        raise checkpoint.CheckpointError(
+            f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
+            f"{saved[diff[0]]} there); use another --output_dir, or --resume=never --overwrite")
+    if start >= cfg.steps:
+        log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
+            "nothing to do. Raise --steps to train on.")
+        mngr.close()
+        return None, start
+    log(f"resuming from step {start} of {cfg.output_dir}")
+    return checkpoint.restore(mngr, start, trainer.abstract_state), start
+
+
+class BatchFeed:
+    """The batch for step k (a pure function of data, seed and k) as global arrays sharded
+    over (dp, fsdp): each host builds only its own rows. `prefetch` builds one in a
+    background thread, so the host is done before the device asks."""
+
+    def __init__(self, cfg, dataset, batch_sharding):
+        self.cfg, self.dataset, self.sharding = cfg, dataset, batch_sharding
+        self.rows = sharding.host_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.pending = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def to_global(self, host_batch):
+        """This host's rows -> one global array per key."""
+        return {k: jax.make_array_from_process_local_data(
+            self.sharding, v, (self.cfg.batch_size,) + v.shape[1:]) for k, v in host_batch.items()}
+
+    def _build(self, step):
+        rows = self.dataset.batch(step, self.cfg.batch_size, self.cfg.seed, rows=self.rows)
+        sharding.debug_log_rows(step, self.rows, rows)
+        return self.to_global(rows)
+
+    def prefetch(self, step):
+        if step not in self.pending:
+            self.pending[step] = self.pool.submit(self._build, step)
+
+    def get(self, step):
+        self.prefetch(step)
+        return self.pending.pop(step).result()
+
+
+def compile_step(cfg, trainer, state, example, mesh, log):
+    """The train step compiled ahead of time (the first step's timing stays honest), and
+    the analytic FLOPs per step, cross-checked against XLA's own count in the log."""
+    compiled = trainer.step_fn.lower(state, example).compile()
+    flops = cfg.model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
+    xla = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
+    params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    kernel = attention.choose(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len, cfg.model.head_dim)
+    log(f"model: {cfg.model.model_type}, {params:,} params; mesh dp,fsdp,tp = "
+        f"{tuple(mesh.shape.values())} over {jax.device_count()} devices; attention: {kernel}; "
+        f"FLOPs/step analytic {flops:.3g}, XLA {xla:.3g}")
+    if jax.process_index() == 0:
+        with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
+            f.write(json.dumps({"argv": sys.argv[1:], **flags.to_dict(cfg)}, indent=2))
+    return compiled, flops
+
+
+def held_out_loss(cfg, trainer, val_data, feed, state):
+    """Mean loss over (up to --eval_batches of) the validation rows; None without any."""
+    if val_data.num_rows == 0:
+        return None
+    loss_sum, count = 0.0, 0.0
+    for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
+        if cfg.eval_batches and i >= cfg.eval_batches:
+            break
+        s, n = trainer.eval_fn(state["params"], feed.to_global(
+            {k: v[feed.rows] for k, v in full.items()}))
+        loss_sum, count = loss_sum + float(s), count + float(n)
+    return loss_sum / max(count, 1.0)
+
+
+class StepLog:
+    """What a logging step reports: metrics.jsonl (process 0), the progress bar, skipped
+    updates, throughput and MFU; and the bad-step limit, checked as steps are logged."""
+
+    def __init__(self, cfg, start, flops_per_step, num_devices, is_main, log):
+        self.cfg, self.log, self.is_main = cfg, log, is_main
+        self.pending = []  # each step's metrics since the last log, still on the device
+        self.flops_per_token = flops_per_step / (cfg.batch_size * cfg.seq_len)
+        self.num_devices, self.peak = num_devices, peak_tflops(cfg)
+        self.metrics = (MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
+                        if is_main else None)
+        self.bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
+        self.window_start, self.window_from = time.perf_counter(), start
+
+    def due(self, step):
+        return step % self.cfg.log_every == 0 or step == self.cfg.steps
+
+    def val_loss(self, step, loss):
+        if loss is not None and self.is_main:
+            self.metrics.write({"step": step, "val_loss": loss})
+            self.log(f"step {step}: val_loss {loss:.4f}")
+
+    def add(self, metrics):
+        self.pending.append(metrics)
+
+    def write(self, step, evaluate):
+        """Fetch the metrics of every step since the last log (one transfer), report skipped
+        updates and the bad-step limit step by step, and log this step."""
+        cfg = self.cfg
+        history, self.pending = jax.device_get(self.pending), []
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        tps = tokens_per_step * (step - self.window_from) / elapsed
+        self.bar.update(step - self.bar.n)
+        too_many = None  # the first step that reached --max_bad_steps
+        for at, m in enumerate(history, start=step - len(history) + 1):
+            if m["skipped"]:
+                self.log(f"step {at}: skipped the update (loss {m['loss']}, grad_norm "
+                         f"{m['grad_norm']}); {m['bad_steps']} bad in a row")
+            if m["bad_steps"] >= cfg.max_bad_steps and too_many is None:
+                too_many = at
+        metrics = history[-1]
+        record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+                  "grad_norm": float(metrics["grad_norm"]), "tokens": step * tokens_per_step,
+                  "tokens_per_sec": tps,
+                  "tflops_per_device": self.flops_per_token * tps / self.num_devices / 1e12}
+        if self.peak:
+            record["mfu"] = record["tflops_per_device"] / self.peak
+        if metrics["skipped"]:
+            record["skipped"] = True
+        if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+            val = evaluate()  # every process: evaluation is a collective
+            if val is not None:
+                record["val_loss"] = val
+        if self.is_main:
+            self.metrics.write(record)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
+        self.window_start, self.window_from = time.perf_counter(), step
+        if too_many is not None:
+            raise TooManyBadSteps(too_many)
+
+    def close(self):
+        self.bar.close()
+
+
+class TooManyBadSteps(Exception):
+    """--max_bad_steps reached; the run names its last good checkpoint and stops."""
+
+    def __init__(self, step):
+        super().__init__(step)
+        self.step = step
+
+
+class SavePolicy:
+    """When to checkpoint: every --save_every steps (not during a streak of bad steps),
+    at the end, and when a stop signal arrives. Saves are asynchronous."""
+
+    def __init__(self, cfg, mngr):
+        self.cfg, self.mngr = cfg, mngr
+        self.meta = checkpoint.to_json_meta(cfg.model, cfg.tokenizer, cfg)
+
+    def due(self, step, stopping, metrics):
+        if step == self.cfg.steps or stopping:
+            return True
+        if self.cfg.save_every and step % self.cfg.save_every == 0:
+            return not int(metrics["bad_steps"])  # (a host sync, on save steps only)
+        return False
+
+    def save(self, step, state):
+        checkpoint.save(self.mngr, step, state, self.meta)
+
+
+def export_at_end(cfg, state, log):
+    """--export_hf (and --push_to_hub) once training is done."""
+    if not cfg.export_hf:
+        return
+    from trainer import hf
+    hf.export(state["params"], cfg.model, cfg.tokenizer, cfg.export_hf)
+    log(f"exported Hugging Face model to {cfg.export_hf}")
+    if cfg.push_to_hub:
+        hf.push_to_hub(cfg.export_hf, cfg.push_to_hub)
 
 
 def main(argv=None):
@@ -473,7 +585,9 @@ def main(argv=None):
         sharding.init_distributed(hosts.coordinator_address, hosts.num_processes,
                                   hosts.process_id)
         jax.config.update("jax_threefry_partitionable", True)
-        run(resolve_config(argv))
+        cfg = resolve_config(argv)
+        sharding.enable_compile_cache(cfg.compile_cache)
+        run(cfg)
     except UserError as e:
         sys.exit(f"error: {e}")
 
