@@ -110,6 +110,33 @@ def test_old_config_layout_reads_the_same(family_dirs, tokens, tmp_path):
     assert np.abs(ours - torch_logits(torch_model, tokens)).max() < TOL
 
 
+@pytest.mark.parametrize("family,edit", [
+    # Phi-3's habit: original_max_position_embeddings at the top level, which transformers
+    # prefers to the one in rope_parameters (here they differ).
+    ("llama_yarn", lambda raw: raw.update(original_max_position_embeddings=16)),
+    ("llama3_tied", lambda raw: raw.update(original_max_position_embeddings=16)),
+    # Zero betas mean YaRN's defaults, and a whole float is an int.
+    ("llama_yarn", lambda raw: raw["rope_parameters"].update(
+        beta_fast=0, beta_slow=0, original_max_position_embeddings=64.0)),
+])
+def test_rope_config_quirks_read_as_transformers_reads_them(family, edit, family_dirs, tokens,
+                                                            tmp_path):
+    path, _ = family_dirs[family]
+    edited = str(tmp_path / "edited")
+    shutil.copytree(path, edited)
+    raw = json.load(open(os.path.join(edited, "config.json")))
+    edit(raw)
+    json.dump(raw, open(os.path.join(edited, "config.json"), "w"))
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(edited).eval()
+    expected = torch_logits(torch_model, tokens)
+    model, params, _ = loading.load_model(edited)
+    assert np.abs(np.asarray(model.apply({"params": params}, tokens)) - expected).max() < TOL
+    out = str(tmp_path / "export")
+    hf.export(params, model.cfg, edited, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert np.abs(torch_logits(reloaded, tokens) - expected).max() < TOL
+
+
 def test_export_bf16_and_single_file(family_dirs, tokens, tmp_path):
     path, torch_model = family_dirs["qwen2"]
     model_cfg = hf.model_config_from_hf(path)

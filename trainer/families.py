@@ -308,9 +308,12 @@ def _mistral_to_hf(cfg):
 
 def _phi3_to_hf(cfg):
     _no_bias(cfg, "Phi3ForCausalLM")
-    _require(cfg.rope_scaling.rope_type != "yarn", "transformers reads Phi-3's yarn as "
+    scaling = cfg.rope_scaling
+    _require(scaling.rope_type != "yarn", "transformers reads Phi-3's yarn as "
              "longrope; use another rope_scaling.rope_type")
-    return _one_window(cfg, "Phi3ForCausalLM")
+    # Phi-3 keeps original_max_position_embeddings at the top level, where it wins.
+    original = scaling.original_max_position_embeddings or cfg.max_position_embeddings
+    return {"original_max_position_embeddings": original, **_one_window(cfg, "Phi3ForCausalLM")}
 
 
 def _qwen2_from_hf(hfc):

@@ -77,18 +77,27 @@ def _hf_config(path):
         raise HFError(f"{where}: transformers rejects it: {one_line(e)[:300]}") from None
 
 
-def _scaling_from_hf(params, max_positions, nested):
-    """One HF rope_parameters dict -> (rope_theta, RopeScaling fields)."""
+def _scaling_from_hf(params, max_positions, nested, top_level_original=None):
+    """One HF rope_parameters dict -> (rope_theta, RopeScaling fields), read as transformers
+    reads it: a config's top-level original_max_position_embeddings (Phi-3 keeps it there)
+    wins for llama3 and yarn, and a zero beta_fast / beta_slow means the default."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in families.ROPE_TYPES:
         raise ConfigError(f"rope_type={rope_type!r} is not supported (meshlm has "
                           + ", ".join(families.ROPE_TYPES) + ")")
     if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
+    params = dict(params)
+    if top_level_original is not None and rope_type in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = top_level_original
     scaling = {"rope_type": rope_type}
     for name in families.ROPE_TYPES[rope_type]:
-        if params.get(name) is not None:
-            scaling[name] = params[name]
+        value = params.get(name)
+        if value is None or (name in ("beta_fast", "beta_slow") and not value):
+            continue
+        if name == "original_max_position_embeddings" and float(value) == int(value):
+            value = int(value)  # 8192.0 in some configs
+        scaling[name] = value
     if rope_type == "yarn":
         old = scaling.get("original_max_position_embeddings") or max_positions
         scaling.setdefault("factor", max_positions / old)  # DeepSeek's convention, as in HF
@@ -125,7 +134,8 @@ def model_config_from_hf(path):
             fields.update(full, sliding_rope_theta=sliding["rope_theta"],
                           sliding_rope_scaling=sliding["rope_scaling"])
         else:
-            fields.update(_scaling_from_hf(rope, fields["max_position_embeddings"], False))
+            fields.update(_scaling_from_hf(rope, fields["max_position_embeddings"], False, getattr(
+                hfc, "original_max_position_embeddings", None)))
         fields.update(family.from_hf(hfc))
         return ModelConfig.from_dict(fields)
     except ConfigError as e:
