@@ -61,13 +61,14 @@ def test_reference_matches_numpy(window, packed):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "splash"])
+@pytest.mark.parametrize("impl", ["blockwise-64", "blockwise-128", "splash"])
 @pytest.mark.parametrize("window,packed", CASES)
 def test_fast_paths_equal_the_reference_forward_and_backward(impl, window, packed):
     """GQA (8 query heads on 2 kv heads); the splash kernel runs in Pallas' interpreter."""
     q, k, v = qkv(8, 2, seed=1, t=256 if impl == "splash" else T)
     seg = segments(q.shape[1]) if packed else None
-    run = {"blockwise": functools.partial(attention._blockwise, block=128),
+    run = {"blockwise-64": lambda *a: attention._blockwise(*a[:5], 64, a[5]),
+           "blockwise-128": lambda *a: attention._blockwise(*a[:5], 128, a[5]),
            "splash": functools.partial(attention._splash, interpret=True)}[impl]
     slots = jnp.arange(q.shape[1])
     mask = attention._mask(slots, slots, window, seg, seg)

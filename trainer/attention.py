@@ -7,9 +7,11 @@ the key slot holds a real token (key_mask, for decode caches).
 Implementations (`--attention`; `auto` picks by backend, dtype and shape):
   reference  dense scores over every key slot, masked, softmax in float32. The oracle the
              others are tested against, and the KV-cache decoding path.
-  blockwise  (CPU, and the fallback) queries in blocks of 128; each block multiplies only
-             the keys its causal / window mask can reach, head-first so that every product
-             is a plain batched matmul. Exact, and about 2.5x the reference on CPU.
+  blockwise  (CPU, and the fallback) flash-style: queries in blocks of 64 or 128, each
+             multiplying only the keys its causal / window mask can reach, head-first so
+             that every product is a plain batched matmul; a hand-written backward pass
+             recomputes each block from its log-sum-exp. Exact, and no [T, S] tensor
+             outlives its block.
   cudnn      (GPU, bf16/fp16) jax.nn.dot_product_attention's cuDNN flash kernel.
   splash     (TPU, sequences a multiple of 128) the Pallas splash-attention kernel, which
              skips fully masked blocks; run per device under shard_map.
@@ -17,13 +19,12 @@ Shapes: q [B, T, H, Dh], k and v [B, S, K, Dh] (K divides H: grouped-query atten
 segment_ids [B, T] int, key_mask [B, S] bool; the result is [B, T, H, Dh].
 """
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
-BLOCK = 128  # query rows per block: small enough for cache, large enough for the matmul units
 
 
 def choose(implementation, dtype, seq_len, head_dim, backend=None):
@@ -49,7 +50,7 @@ def self_attention(q, k, v, *, scale, window=None, segment_ids=None, implementat
         slots = jnp.arange(q.shape[1])
         return reference(q, k, v, scale=scale, mask=_mask(slots, slots, window, segment_ids,
                                                            segment_ids))
-    return _blockwise(q, k, v, scale, window, segment_ids)
+    return _blockwise(q, k, v, scale, window, block_size(q.shape[1]), segment_ids)
 
 
 def cached_attention(q, k, v, *, scale, q_slots, window=None, key_mask=None):
@@ -85,31 +86,100 @@ def reference(q, k, v, *, scale, mask):
     return out.reshape(B, T, H, D)
 
 
-def _blockwise(q, k, v, scale, window, segment_ids, block=BLOCK):
+def block_size(seq_len):
+    """Query rows per block: 64 for short sequences, else 128 (the faster of the two in
+    bench/bench_train.py's configs on CPU; smaller blocks waste less of the causal square,
+    larger ones make fuller matmuls)."""
+    return 64 if seq_len <= 256 else 128
+
+
+def _blocks(T, block, window):
+    """(start, end, low) per query block: its rows, and the first key any of them sees."""
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        yield start, end, 0 if window is None else max(0, start - window + 1)
+
+
+def _to_heads(q, k, v, scale):
+    """Head-first layouts in which every product below is a plain batched matmul over
+    (B, K): q as [B, K, T, G, Dh] (scaled), k as [B, K, Dh, S], v as [B, K, S, Dh]."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    qh = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, H // K, D).transpose(0, 2, 1, 3, 4)
+    return qh, k.astype(q.dtype).transpose(0, 2, 3, 1), v.astype(q.dtype).transpose(0, 2, 1, 3)
+
+
+def _block_scores(qh, kT, start, end, low, window, segment_ids):
+    """(query rows [B, K, t*G, Dh], masked scores [B, K, t*G, keys] float32) of one block:
+    a kv head's G queries of each position side by side."""
+    B, K, _, G, D = qh.shape
+    rows = qh[:, :, start:end].reshape(B, K, (end - start) * G, D)
+    scores = jnp.matmul(rows, kT[..., low:end], preferred_element_type=jnp.float32)
+    seg = (lambda a, b: None) if segment_ids is None else (lambda a, b: segment_ids[:, a:b])
+    mask = _mask(jnp.arange(start, end), jnp.arange(low, end), window, seg(start, end),
+                 seg(low, end))  # [1 or B, t, keys]
+    mask = jnp.repeat(mask, G, axis=1)[:, None]  # [1 or B, 1, t*G, keys]
+    return rows, jnp.where(mask, scores, -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _blockwise(q, k, v, scale, window, block, segment_ids=None):
+    """Flash-style attention by query blocks: each block multiplies only the keys its
+    causal / window mask can reach. The backward pass recomputes each block's
+    probabilities from the saved log-sum-exp, so no [T, S] tensor outlives its block,
+    and it is written out (not autodiffed) so that no large product needs a transpose."""
+    return _blockwise_fwd(q, k, v, scale, window, block, segment_ids)[0]
+
+
+def _blockwise_fwd(q, k, v, scale, window, block, segment_ids=None):
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    qh, kT, vh = _to_heads(q, k, v, scale)
+    outs, lses = [], []
+    for start, end, low in _blocks(T, block, window):
+        _, s = _block_scores(qh, kT, start, end, low, window, segment_ids)
+        m = jnp.max(s, axis=-1, keepdims=True)  # finite: a query always sees itself
+        p = jnp.exp(s - m)
+        total = jnp.sum(p, axis=-1, keepdims=True)
+        outs.append(jnp.matmul((p / total).astype(q.dtype), vh[:, :, low:end]))
+        lses.append(m + jnp.log(total))
+    o = jnp.concatenate(outs, axis=2)  # [B, K, T*G, Dh]
+    out = o.reshape(B, K, T, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
+    return out, (q, k, v, o, jnp.concatenate(lses, axis=2), segment_ids)
+
+
+def _blockwise_bwd(scale, window, block, residuals, g):
+    q, k, v, o, lse, segment_ids = residuals
     B, T, H, D = q.shape
     K = k.shape[2]
     G = H // K
-    # Head-first, a kv head's G queries side by side: every product below is a batched
-    # [rows, D] x [D, keys] matmul over (B, K), the layout CPU matmul kernels want.
-    qh = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
-    kh = k.astype(q.dtype).transpose(0, 2, 3, 1)  # [B, K, D, S]
-    vh = v.astype(q.dtype).transpose(0, 2, 1, 3)  # [B, K, S, D]
-    outs = []
-    for start in range(0, T, block):
-        end = min(start + block, T)
-        low = 0 if window is None else max(0, start - window + 1)  # the first key it can see
-        rows = qh[:, :, :, start:end].reshape(B, K, G * (end - start), D)
-        scores = jnp.matmul(rows, kh[..., low:end], preferred_element_type=jnp.float32)
-        scores = scores.reshape(B, K, G, end - start, end - low)
-        mask = _mask(jnp.arange(start, end), jnp.arange(low, end), window,
-                     None if segment_ids is None else segment_ids[:, start:end],
-                     None if segment_ids is None else segment_ids[:, low:end])
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.matmul(probs.reshape(B, K, G * (end - start), end - low), vh[:, :, low:end])
-        outs.append(out.reshape(B, K, G, end - start, D))
-    out = jnp.concatenate(outs, axis=3)  # [B, K, G, T, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    f32 = jnp.float32
+    qh, kT, vh = _to_heads(q, k, v, scale)
+    do = g.astype(q.dtype).reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
+    delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1, keepdims=True)  # rowsum(dO * O)
+    vT, kh = vh.swapaxes(2, 3), kT.swapaxes(2, 3)  # [B, K, Dh, S], [B, K, S, Dh]
+    dq_blocks = []
+    dkT = jnp.zeros(kT.shape, f32)  # gradients of k and v in k's [B, K, Dh, S] layout
+    dvT = jnp.zeros(kT.shape, f32)
+    for start, end, low in _blocks(T, block, window):
+        a, b = start * G, end * G
+        rows, s = _block_scores(qh, kT, start, end, low, window, segment_ids)
+        p = jnp.exp(s - lse[:, :, a:b])  # this block's probabilities, again
+        do_b = do[:, :, a:b]
+        dvT = dvT.at[..., low:end].add(jnp.matmul(do_b.swapaxes(2, 3), p.astype(q.dtype),
+                                                  preferred_element_type=f32))
+        dp = jnp.matmul(do_b, vT[..., low:end], preferred_element_type=f32)
+        ds = (p * (dp - delta[:, :, a:b])).astype(q.dtype)  # d(scores)
+        dq_blocks.append(jnp.matmul(ds, kh[:, :, low:end], preferred_element_type=f32))
+        dkT = dkT.at[..., low:end].add(jnp.matmul(rows.swapaxes(2, 3), ds,
+                                                  preferred_element_type=f32))
+    dq = jnp.concatenate(dq_blocks, axis=2).reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4)
+    dq = dq.reshape(B, T, H, D) * scale
+    return (dq.astype(q.dtype), dkT.transpose(0, 3, 1, 2).astype(k.dtype),
+            dvT.transpose(0, 3, 1, 2).astype(v.dtype), None)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def _cudnn(q, k, v, scale, window, segment_ids):
