@@ -141,7 +141,8 @@ def _blockwise_fwd(q, k, v, scale, window, block, segment_ids=None):
         m = jnp.max(s, axis=-1, keepdims=True)  # finite: a query always sees itself
         p = jnp.exp(s - m)
         total = jnp.sum(p, axis=-1, keepdims=True)
-        outs.append(jnp.matmul((p / total).astype(q.dtype), vh[:, :, low:end]))
+        outs.append(jnp.matmul((p / total).astype(q.dtype), vh[:, :, low:end],
+                               preferred_element_type=jnp.float32).astype(q.dtype))
         lses.append(m + jnp.log(total))
     o = jnp.concatenate(outs, axis=2)  # [B, K, T*G, Dh]
     out = o.reshape(B, K, T, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)

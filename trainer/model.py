@@ -123,8 +123,10 @@ class RMSNorm(nn.Module):
 
 @jax.custom_vjp
 def project(x, w):
-    """x [..., D] times w [D, *out] -> [..., *out]: a linear layer's matmul."""
-    return jnp.tensordot(x, w, axes=1)
+    """x [..., D] times w [D, *out] -> [..., *out]: a linear layer's matmul. Products
+    accumulate in float32 whatever the inputs (on CPU, bf16 inputs with a float32 result
+    also run about twice as fast as a bf16 result)."""
+    return jnp.tensordot(x, w, axes=1, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _project_fwd(x, w):
@@ -137,7 +139,8 @@ def _project_bwd(residuals, g):
     # x instead (D, the smaller side) makes the step about 15% faster on CPU.
     x, w = residuals
     out_dims = tuple(range(1, w.ndim))
-    dx = jnp.tensordot(g, w, axes=(tuple(range(g.ndim - len(out_dims), g.ndim)), out_dims))
+    dx = jnp.tensordot(g, w, axes=(tuple(range(g.ndim - len(out_dims), g.ndim)), out_dims),
+                       preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])
     dw = jnp.tensordot(x2.T, g.reshape(x2.shape[0], *w.shape[1:]), axes=1)
     return dx.astype(x.dtype), dw.astype(w.dtype)
