@@ -142,6 +142,8 @@ def _project_bwd(residuals, g):
     dx = jnp.tensordot(g, w, axes=(tuple(range(g.ndim - len(out_dims), g.ndim)), out_dims),
                        preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])
+    # (No float32 result here: XLA CPU runs this transposed product on its generic dot,
+    # which has no bf16 x bf16 -> f32 kernel.)
     dw = jnp.tensordot(x2.T, g.reshape(x2.shape[0], *w.shape[1:]), axes=1)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
