@@ -122,3 +122,17 @@ def test_round_trip_is_bitwise(family, family_dirs, tmp_path):
         assert np.array_equal(original[name], returned[name]), name
     assert hf.model_config_from_hf(out) == model_cfg
     assert os.path.exists(os.path.join(out, "tokenizer.json"))
+
+
+def test_a_checkpoint_meta_of_the_previous_layout_reads_as_the_same_model():
+    """Run dirs written before the family registry (head_dim 0, a qkv_bias field, every
+    RoPE field stored whatever the type) resume as the same model config."""
+    from trainer.families import PRESETS, ModelConfig
+    old = PRESETS["tiny"].to_dict()
+    for name in ("layer_types", "sliding_window", "sliding_rope_theta", "sliding_rope_scaling",
+                 "query_pre_attn_scalar", "final_logit_softcapping"):
+        old.pop(name)
+    old.update(head_dim=0, qkv_bias=False, rope_scaling=dict(
+        rope_type="default", factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192))
+    assert ModelConfig.from_dict(old) == PRESETS["tiny"]

@@ -17,7 +17,7 @@ from conftest import REPO, cli_env
 from trainer import sharding, train
 
 MESHES = ["1,1,1", "8,1,1", "1,8,1", "1,2,4", "2,2,2"]
-# The tiny preset has 2 kv heads; 4 lets tp=4 split whole heads (tp must divide both counts).
+# The tiny preset has 2 kv heads; 4 lets tp=4 split whole kv heads without repeating them.
 TINY = ["--model=tiny", "--model.num_key_value_heads=4"]
 
 

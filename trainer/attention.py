@@ -27,15 +27,33 @@ import jax.numpy as jnp
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 
 
+def unsupported(implementation, dtype, seq_len, head_dim, backend=None):
+    """Why an implementation can't run here (None when it can): cuDNN needs a GPU, 16-bit
+    compute and head_dim <= 128; splash needs a TPU (or Pallas' interpreter) and a
+    sequence length that is a multiple of 128."""
+    backend = backend or jax.default_backend()
+    if implementation == "cudnn":
+        if backend != "gpu":
+            return f"cudnn needs a GPU, and this backend is {backend}"
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            return "cudnn needs --dtype=bfloat16 or float16"
+        if head_dim > 128:
+            return f"cudnn needs head_dim <= 128, and the model has {head_dim}"
+    if implementation == "splash":
+        if backend != "tpu":
+            return f"splash needs a TPU, and this backend is {backend}"
+        if seq_len % 128:
+            return f"splash needs --seq_len to be a multiple of 128, got {seq_len}"
+    return None
+
+
 def choose(implementation, dtype, seq_len, head_dim, backend=None):
     """The implementation `auto` stands for on this backend (others are taken as given)."""
     if implementation != "auto":
         return implementation
-    backend = backend or jax.default_backend()
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128:
-        return "cudnn"
-    if backend == "tpu" and seq_len % 128 == 0:
-        return "splash"
+    for fast in ("cudnn", "splash"):
+        if not unsupported(fast, dtype, seq_len, head_dim, backend):
+            return fast
     return "blockwise"
 
 
@@ -198,7 +216,6 @@ def _splash(q, k, v, scale, window, segment_ids, interpret=False):
     them (shard_map), so each device runs the kernel on its own shard."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as masks)
-    from jax.experimental.shard_map import shard_map
     from jax.sharding import PartitionSpec as P
 
     from trainer.sharding import LOGICAL_AXES
@@ -226,6 +243,6 @@ def _splash(q, k, v, scale, window, segment_ids, interpret=False):
         return local(q, k, v, segment_ids)
     batch, heads = LOGICAL_AXES["batch"], LOGICAL_AXES["heads"]
     spec, ids = P(batch, None, heads, None), P(batch, None)
-    return shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, ids if segment_ids is not None
-                                                 else None),
-                     out_specs=spec, check_rep=False)(q, k, v, segment_ids)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, ids if segment_ids
+                                                     is not None else None),
+                         out_specs=spec, check_vma=False)(q, k, v, segment_ids)

@@ -18,7 +18,7 @@ How to add a family (say, one with a fused qkv_proj and post-norms):
      implement it in model.py (one `if` where the paper puts it).
   2. Add one `Family(...)` to FAMILIES below: architecture, config class, switches,
      `from_hf`/`to_hf` for its own config fields, `fused` tensors and presets.
-  3. Add a random tiny model of it to tests/test_families.py: logits parity both ways,
+  3. Add a random tiny model of it to tests/tiny_hf.py: logits parity both ways,
      greedy generation and the bitwise round trip then cover it.
 """
 
@@ -175,6 +175,11 @@ class ModelConfig:
         if data.get("head_dim") == 0:
             data["head_dim"] = None
         data.pop("qkv_bias", None)  # now the qwen2 family's switch
+        for name in ("rope_scaling", "sliding_rope_scaling"):  # fields its type never reads
+            scaling = data.get(name)
+            if isinstance(scaling, dict) and scaling.get("rope_type", "default") in ROPE_TYPES:
+                used = ROPE_TYPES[scaling.get("rope_type", "default")]
+                data[name] = {k: v for k, v in scaling.items() if k == "rope_type" or k in used}
         return from_dict(cls, data, prefix)
 
     # ---------------------------------------------------------------- counts
@@ -274,6 +279,13 @@ def _per_layer_window(cfg):
             "layer_types": list(cfg.layer_types)}
 
 
+def _no_gemma_scaling(cfg, arch):
+    """Fields only Gemma's config carries: exported elsewhere they would be lost."""
+    _require(cfg.final_logit_softcapping is None and cfg.query_pre_attn_scalar is None,
+             f"{arch} has no final_logit_softcapping or query_pre_attn_scalar; set them to "
+             "none, or use model_type=gemma3_text")
+
+
 def _no_bias(cfg, arch):
     _require(not (cfg.attention_bias or cfg.mlp_bias), f"{arch} has no biases; set "
              "model.attention_bias=false and model.mlp_bias=false, or model_type=llama")
@@ -294,6 +306,7 @@ def _llama_from_hf(hfc):
 
 def _llama_to_hf(cfg):
     _no_sliding(cfg, "LlamaForCausalLM")
+    _no_gemma_scaling(cfg, "LlamaForCausalLM")
     return {"attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
 
 
@@ -303,17 +316,17 @@ def _mistral_from_hf(hfc):
 
 def _mistral_to_hf(cfg):
     _no_bias(cfg, "MistralForCausalLM")
+    _no_gemma_scaling(cfg, "MistralForCausalLM")
     return _one_window(cfg, "MistralForCausalLM")
 
 
 def _phi3_to_hf(cfg):
     _no_bias(cfg, "Phi3ForCausalLM")
+    _no_gemma_scaling(cfg, "Phi3ForCausalLM")
     scaling = cfg.rope_scaling
-    _require(scaling.rope_type != "yarn", "transformers reads Phi-3's yarn as "
-             "longrope; use another rope_scaling.rope_type")
-    # Phi-3 keeps original_max_position_embeddings at the top level, where it wins.
-    original = scaling.original_max_position_embeddings or cfg.max_position_embeddings
-    return {"original_max_position_embeddings": original, **_one_window(cfg, "Phi3ForCausalLM")}
+    _require(scaling.rope_type == "default", "transformers' Phi-3 takes only default (or "
+             "longrope) RoPE; set model.rope_scaling.rope_type=default or use model_type=llama")
+    return _one_window(cfg, "Phi3ForCausalLM")
 
 
 def _qwen2_from_hf(hfc):
@@ -323,6 +336,7 @@ def _qwen2_from_hf(hfc):
 def _qwen2_to_hf(cfg):
     _require(not (cfg.attention_bias or cfg.mlp_bias), "Qwen2ForCausalLM has q/k/v bias only "
              "(always on); set model.attention_bias=false and model.mlp_bias=false")
+    _no_gemma_scaling(cfg, "Qwen2ForCausalLM")
     return _per_layer_window(cfg)
 
 
@@ -332,6 +346,7 @@ def _qwen3_from_hf(hfc):
 
 def _qwen3_to_hf(cfg):
     _require(not cfg.mlp_bias, "Qwen3ForCausalLM has no MLP bias; set model.mlp_bias=false")
+    _no_gemma_scaling(cfg, "Qwen3ForCausalLM")
     return {"attention_bias": cfg.attention_bias, **_per_layer_window(cfg)}
 
 

@@ -175,7 +175,11 @@ def hf_config(model_cfg: ModelConfig, dtype, bos_id=None, eos_id=None, pad_id=No
         kwargs.update(family.to_hf(c))
     except ConfigError as e:
         raise HFError(f"cannot export as {family.architecture}: {e}") from None
-    return getattr(transformers, family.config_class)(**kwargs)
+    try:
+        return getattr(transformers, family.config_class)(**kwargs)
+    except Exception as e:  # noqa: BLE001 -- transformers validates in many ways
+        raise HFError(f"cannot export as {family.architecture}: transformers rejects the "
+                      f"config: {one_line(e)[:300]}") from None
 
 
 # ------------------------------------------------------------------ weights

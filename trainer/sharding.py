@@ -260,12 +260,3 @@ def _in_cluster():
     has_chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
     return bool(has_chips) and importlib.util.find_spec("libtpu") is not None
 
-
-def enable_compile_cache(directory):
-    """Keep compiled programs on disk (JAX's persistent compilation cache), so that the same
-    run started again skips XLA compilation. Empty: off."""
-    if not directory:
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -19,14 +19,13 @@ import threading
 import time
 
 import fsspec
-import fsspec.implementations.local
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
 
-from trainer import attention, checkpoint, data, flags, loading, optim, sharding
+from trainer import attention, checkpoint, data, flags, loading, optim, sharding, storage
 from trainer.config import TrainConfig
 from trainer.errors import UserError
 from trainer.families import ModelConfig
@@ -143,9 +142,17 @@ def resolve_config(argv):
     cfg = flags.parse(TrainConfig, argv, defaults)
     if not cfg.tokenizer:
         cfg = dataclasses.replace(cfg, tokenizer="bytes")
+    why = attention.unsupported(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len,
+                                cfg.model.head_dim)
+    if why:
+        raise ConfigError(f"--attention={cfg.attention}: {why}; use --attention=auto")
     if cfg.export_hf:  # fail now, not after training
         from trainer import hf
         hf.check_export_dir(cfg.export_hf)
+        try:
+            hf.hf_config(cfg.model, "float32")
+        except hf.HFError as e:
+            raise ConfigError(f"--export_hf: {e}") from None
     return cfg
 
 
@@ -178,7 +185,7 @@ class MetricsLog:
     def __init__(self, path, start_step):
         self.path, self.lines = path, []
         fs, _, _ = fsspec.get_fs_token_paths(path)
-        self.local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+        self.local = storage.is_local(path)
         if start_step > 0 and fs.exists(path):
             with fsspec.open(path, "r") as f:
                 self.lines = [l for l in f.read().splitlines()
@@ -216,6 +223,9 @@ def prepare_output_dir(cfg):
     if jax.process_count() > 1:  # nobody looks into the dir before process 0 has cleared it
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("meshlm:prepare_output_dir")
+
+
+STOP_CHECK_EVERY = 10  # steps between multi-host stop agreements (a spot VM gives ~30 s)
 
 
 class StopSignal:
@@ -258,7 +268,9 @@ class Trainer:
     files, so tests can build one per mesh. Call its functions under jax.set_mesh(mesh)."""
 
     def __init__(self, cfg, mesh):
-        chunk = cfg.loss_chunk or loss_chunk_for(cfg.batch_size // cfg.grad_accum, cfg.seq_len,
+        batch_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+        rows_per_device = cfg.batch_size // cfg.grad_accum // batch_shards
+        chunk = cfg.loss_chunk or loss_chunk_for(rows_per_device, cfg.seq_len,
                                                  cfg.model.vocab_size)
         self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat, cfg.attention,
                                  chunk)
@@ -346,8 +358,10 @@ def _run(cfg, stop):
                 elif step < cfg.steps:
                     feed.prefetch(step)
                 steplog.add(metrics)
-                # (several hosts agree on stopping through a collective: at logged steps only)
-                stopping = (jax.process_count() == 1 or steplog.due(step)) and stop.agreed()
+                # Several hosts agree on stopping through a collective, which waits for the
+                # device: on logging steps and every STOP_CHECK_EVERY steps only.
+                stopping = (jax.process_count() == 1 or steplog.due(step)
+                            or step % STOP_CHECK_EVERY == 0) and stop.agreed()
                 if steplog.due(step):
                     steplog.write(step, lambda: evaluate(state))
                 if saves.due(step, stopping, metrics):
@@ -490,6 +504,7 @@ class StepLog:
         if loss is not None and self.is_main:
             self.metrics.write({"step": step, "val_loss": loss})
             self.log(f"step {step}: val_loss {loss:.4f}")
+        self.window_start = time.perf_counter()  # evaluation time is not training throughput
 
     def add(self, metrics):
         self.pending.append(metrics)
@@ -572,6 +587,16 @@ def export_at_end(cfg, state, log):
         hf.push_to_hub(cfg.export_hf, cfg.push_to_hub)
 
 
+def enable_compile_cache(directory):
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so that the same
+    run started again skips XLA compilation. Empty: off."""
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "--helpfull") for a in argv):
@@ -586,7 +611,7 @@ def main(argv=None):
                                   hosts.process_id)
         jax.config.update("jax_threefry_partitionable", True)
         cfg = resolve_config(argv)
-        sharding.enable_compile_cache(cfg.compile_cache)
+        enable_compile_cache(cfg.compile_cache)
         run(cfg)
     except UserError as e:
         sys.exit(f"error: {e}")
