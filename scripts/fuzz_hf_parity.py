@@ -23,7 +23,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tiny_hf import hf_tensors, make_tokenizer, randomize  # noqa: E402
+from test_families import NEW_TOKENS, hf_greedy  # noqa: E402
+from tiny_hf import hf_tensors, make_tokenizer, randomize, torch_logits  # noqa: E402
 from trainer import hf, loading  # noqa: E402
 from trainer.generate import generate  # noqa: E402
 
@@ -32,7 +33,6 @@ ROOT = tempfile.mkdtemp(prefix="meshlm-fuzz-")
 PROMPTS = ["The with statement", "Hi",
            "A longer prompt about the Python data model and its special methods, "
            "with enough words to span many tokens."]
-NEW_TOKENS = 24
 VOCAB = 300
 _TOKS = {}
 
@@ -193,20 +193,6 @@ def describe(family, kw):
 
 
 # ------------------------------------------------------------------ checks
-def torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
-
-
-def hf_greedy(model, tok, texts):
-    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    rows = out[:, enc["input_ids"].shape[1]:].tolist()
-    return [r[:r.index(tok.eos_token_id)] if tok.eos_token_id in r else r for r in rows], enc
-
-
 def gap_at_divergence(torch_model, prompt, got, want):
     """First differing step and HF's top-1/top-2 logit gap there (unpadded, no cache)."""
     for i, (a, b) in enumerate(zip(got, want)):
