@@ -323,8 +323,7 @@ def _mistral_to_hf(cfg):
 def _phi3_to_hf(cfg):
     _no_bias(cfg, "Phi3ForCausalLM")
     _no_gemma_scaling(cfg, "Phi3ForCausalLM")
-    scaling = cfg.rope_scaling
-    _require(scaling.rope_type == "default", "transformers' Phi-3 takes only default (or "
+    _require(cfg.rope_scaling.rope_type == "default", "transformers' Phi-3 takes only default (or "
              "longrope) RoPE; set model.rope_scaling.rope_type=default or use model_type=llama")
     return _one_window(cfg, "Phi3ForCausalLM")
 

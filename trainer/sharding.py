@@ -259,4 +259,3 @@ def _in_cluster():
     # for the slice's workers; on a single-host slice that is a harmless one-process job.
     has_chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
     return bool(has_chips) and importlib.util.find_spec("libtpu") is not None
-
