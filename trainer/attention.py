@@ -118,20 +118,30 @@ def _blocks(T, block, window):
         yield start, end, 0 if window is None else max(0, start - window + 1)
 
 
+def _to_rows(x, K):
+    """[B, T, H, Dh] -> [B, K, T*G, Dh]: each kv head's G query heads of each position
+    side by side, so a block of positions is a contiguous run of rows."""
+    B, T, H, D = x.shape
+    return x.reshape(B, T, K, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * H // K, D)
+
+
+def _from_rows(x, T):
+    """The inverse of _to_rows: [B, K, T*G, Dh] -> [B, T, H, Dh]."""
+    B, K, TG, D = x.shape
+    G = TG // T
+    return x.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, D)
+
+
 def _to_heads(q, k, v, scale):
-    """Head-first layouts in which every product below is a plain batched matmul over
-    (B, K): q as [B, K, T, G, Dh] (scaled), k as [B, K, Dh, S], v as [B, K, S, Dh]."""
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    qh = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, H // K, D).transpose(0, 2, 1, 3, 4)
-    return qh, k.astype(q.dtype).transpose(0, 2, 3, 1), v.astype(q.dtype).transpose(0, 2, 1, 3)
+    """Layouts in which every product below is a plain batched matmul over (B, K): q as
+    rows [B, K, T*G, Dh] (scaled), k as [B, K, Dh, S], v as [B, K, S, Dh]."""
+    qr = _to_rows(q * jnp.asarray(scale, q.dtype), k.shape[2])
+    return qr, k.astype(q.dtype).transpose(0, 2, 3, 1), v.astype(q.dtype).transpose(0, 2, 1, 3)
 
 
-def _block_scores(qh, kT, start, end, low, window, segment_ids):
-    """(query rows [B, K, t*G, Dh], masked scores [B, K, t*G, keys] float32) of one block:
-    a kv head's G queries of each position side by side."""
-    B, K, _, G, D = qh.shape
-    rows = qh[:, :, start:end].reshape(B, K, (end - start) * G, D)
+def _block_scores(qr, kT, G, start, end, low, window, segment_ids):
+    """(query rows [B, K, t*G, Dh], masked scores [B, K, t*G, keys] float32) of one block."""
+    rows = qr[:, :, start * G:end * G]
     scores = jnp.matmul(rows, kT[..., low:end], preferred_element_type=jnp.float32)
     seg = (lambda a, b: None) if segment_ids is None else (lambda a, b: segment_ids[:, a:b])
     mask = _mask(jnp.arange(start, end), jnp.arange(low, end), window, seg(start, end),
@@ -150,12 +160,11 @@ def _blockwise(q, k, v, scale, window, block, segment_ids=None):
 
 
 def _blockwise_fwd(q, k, v, scale, window, block, segment_ids=None):
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    qh, kT, vh = _to_heads(q, k, v, scale)
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
+    qr, kT, vh = _to_heads(q, k, v, scale)
     outs, lses = [], []
     for start, end, low in _blocks(T, block, window):
-        _, s = _block_scores(qh, kT, start, end, low, window, segment_ids)
+        _, s = _block_scores(qr, kT, G, start, end, low, window, segment_ids)
         m = jnp.max(s, axis=-1, keepdims=True)  # finite: a query always sees itself
         p = jnp.exp(s - m)
         total = jnp.sum(p, axis=-1, keepdims=True)
@@ -163,18 +172,15 @@ def _blockwise_fwd(q, k, v, scale, window, block, segment_ids=None):
                                preferred_element_type=jnp.float32).astype(q.dtype))
         lses.append(m + jnp.log(total))
     o = jnp.concatenate(outs, axis=2)  # [B, K, T*G, Dh]
-    out = o.reshape(B, K, T, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
-    return out, (q, k, v, o, jnp.concatenate(lses, axis=2), segment_ids)
+    return _from_rows(o, T), (q, k, v, o, jnp.concatenate(lses, axis=2), segment_ids)
 
 
 def _blockwise_bwd(scale, window, block, residuals, g):
     q, k, v, o, lse, segment_ids = residuals
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    G = H // K
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
     f32 = jnp.float32
-    qh, kT, vh = _to_heads(q, k, v, scale)
-    do = g.astype(q.dtype).reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
+    qr, kT, vh = _to_heads(q, k, v, scale)
+    do = _to_rows(g.astype(q.dtype), k.shape[2])  # [B, K, T*G, Dh]
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1, keepdims=True)  # rowsum(dO * O)
     vT, kh = vh.swapaxes(2, 3), kT.swapaxes(2, 3)  # [B, K, Dh, S], [B, K, S, Dh]
     dq_blocks = []
@@ -182,7 +188,7 @@ def _blockwise_bwd(scale, window, block, residuals, g):
     dvT = jnp.zeros(kT.shape, f32)
     for start, end, low in _blocks(T, block, window):
         a, b = start * G, end * G
-        rows, s = _block_scores(qh, kT, start, end, low, window, segment_ids)
+        rows, s = _block_scores(qr, kT, G, start, end, low, window, segment_ids)
         p = jnp.exp(s - lse[:, :, a:b])  # this block's probabilities, again
         do_b = do[:, :, a:b]
         dvT = dvT.at[..., low:end].add(jnp.matmul(do_b.swapaxes(2, 3), p.astype(q.dtype),
@@ -192,8 +198,7 @@ def _blockwise_bwd(scale, window, block, residuals, g):
         dq_blocks.append(jnp.matmul(ds, kh[:, :, low:end], preferred_element_type=f32))
         dkT = dkT.at[..., low:end].add(jnp.matmul(rows.swapaxes(2, 3), ds,
                                                   preferred_element_type=f32))
-    dq = jnp.concatenate(dq_blocks, axis=2).reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4)
-    dq = dq.reshape(B, T, H, D) * scale
+    dq = _from_rows(jnp.concatenate(dq_blocks, axis=2), T) * scale
     return (dq.astype(q.dtype), dkT.transpose(0, 3, 1, 2).astype(k.dtype),
             dvT.transpose(0, 3, 1, 2).astype(v.dtype), None)
 
