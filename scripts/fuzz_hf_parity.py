@@ -62,6 +62,10 @@ def heads(r, need_hidden_multiple):
     return dict(num_attention_heads=H, num_key_value_heads=K, hidden_size=hidden), head_dim
 
 
+def layer_types(r, layers):
+    return [r.choice(["sliding_attention", "full_attention"]) for _ in range(layers)]
+
+
 def theta(r):
     return float(r.choice([100.0, 1000.0, 10000.0, 500000.0, 1e6, round(10 ** r.uniform(2, 6), 1)]))
 
@@ -121,8 +125,7 @@ def random_case(r, family):
         if hd and r.random() < 0.5:
             kw["head_dim"] = hd
         if sw and r.random() < 0.4:
-            kw["layer_types"] = [r.choice(["sliding_attention", "full_attention"])
-                                 for _ in range(kw["num_hidden_layers"])]
+            kw["layer_types"] = layer_types(r, kw["num_hidden_layers"])
         cls = transformers.Qwen2Config
     elif family == "qwen3":
         h, hd = heads(r, False)
@@ -133,13 +136,12 @@ def random_case(r, family):
                   rope_parameters=rope(r, ("default", "default", "linear", "yarn")))
         kw["head_dim"] = hd or h["hidden_size"] // h["num_attention_heads"]
         if sw and r.random() < 0.4:
-            kw["layer_types"] = [r.choice(["sliding_attention", "full_attention"])
-                                 for _ in range(kw["num_hidden_layers"])]
+            kw["layer_types"] = layer_types(r, kw["num_hidden_layers"])
         cls = transformers.Qwen3Config
     elif family == "gemma3":
         h, hd = heads(r, True)
         L = kw["num_hidden_layers"]
-        types = [r.choice(["sliding_attention", "full_attention"]) for _ in range(L)]
+        types = layer_types(r, L)
         full = rope(r, ("default", "linear", "yarn"))
         slide = rope(r, ("default", "default", "linear", "yarn"))
         kw.update(h, head_dim=hd or h["hidden_size"] // h["num_attention_heads"],

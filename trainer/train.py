@@ -335,6 +335,7 @@ def _run(cfg, stop):
             return None
         batch = feed.get(start)
         compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
+        write_run_config(cfg)
         steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log)
         evaluate = functools.partial(held_out_loss, cfg, trainer, val_data, feed)
         if start == 0:
@@ -463,10 +464,14 @@ def compile_step(cfg, trainer, state, example, mesh, log):
     log(f"model: {cfg.model.model_type}, {params:,} params; mesh dp,fsdp,tp = "
         f"{tuple(mesh.shape.values())} over {jax.device_count()} devices; attention: {kernel}; "
         f"FLOPs/step analytic {flops:.3g}, XLA {xla:.3g}")
+    return compiled, flops
+
+
+def write_run_config(cfg):
+    """config.json: the exact flags of the run (process 0)."""
     if jax.process_index() == 0:
         with fsspec.open(cfg.output_dir.rstrip("/") + "/config.json", "w") as f:
             f.write(json.dumps({"argv": sys.argv[1:], **flags.to_dict(cfg)}, indent=2))
-    return compiled, flops
 
 
 def held_out_loss(cfg, trainer, val_data, feed, state):
