@@ -28,7 +28,7 @@ setup(
         "ml_dtypes",
     ],
     extras_require={
-        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator"],
+        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "serve": [],

@@ -5,6 +5,7 @@ The command line is the whole configuration: `--seq_len=256`, `--model=llama3_8b
 (flags.py parses them); the model group is families.ModelConfig, with presets.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,18 +14,39 @@ from trainer.attention import IMPLEMENTATIONS
 from trainer.flags import ConfigError, flag
 from trainer.model import DTYPES, REMAT_POLICIES
 from trainer.optim import DECAYS, OPTIMIZERS
+from trainer.tokenizer import parse_fields
 
 # Choices of flags several commands share; each comes from the table that implements it.
 Dtype = Literal[tuple(DTYPES)]
-DataFormat = Literal["text", "chat"]
+DataFormat = Literal["text", "chat", "fields", "preference"]
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = flag("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)")
-    format: DataFormat = flag("text", "text, or chat (messages; loss on assistant turns only)")
+    format: DataFormat = flag(
+        "text", "row layouts: text {\"text\": str} or .txt files | chat {\"messages\": "
+        "[{\"role\": system|user|assistant, \"content\": str}, ...]}, loss on assistant turns | "
+        "fields: any JSON row, rendered by --data.fields | preference {\"prompt\": str or "
+        "messages, \"chosen\": str, \"rejected\": str}, loss on the responses")
     text_field: str = flag("text", "JSONL / dataset field holding the text")
     messages_field: str = flag("messages", "JSONL / dataset field holding chat messages")
+    fields: str = flag(
+        "", "with --data.format=fields, the template: comma-separated parts concatenated in "
+        "order; a [bracketed] part is prompt (no loss), others carry loss; a part is pieces "
+        "joined by +: a field name, a \"JSON literal\" or a special token like <|im_start|>; "
+        "pieces and parts are separated by a newline, except next to a special token; empty "
+        "fields add nothing. E.g. '[instruction+input],output'")
+    packing: Literal["auto", "stream", "isolated"] = flag(
+        "auto", "stream: documents concatenated and cut into rows (text only) | isolated: whole "
+        "documents per row, each its own segment (segment_ids, positions; no attention or loss "
+        "across them); longer text documents are cut into row-sized segments | auto: stream "
+        "for text, else isolated")
+    long: Literal["truncate", "drop"] = flag(
+        "truncate", "a conversation or preference prompt longer than a row: truncate drops its "
+        "earliest exchanges (keeping a system turn) | drop drops it; both are counted")
+    skip_bad_rows: bool = flag(False, "skip rows that are malformed (and count them in a "
+                               "warning) instead of stopping at the first")
     split: str = flag("train", "HF dataset split")
     val_fraction: float = flag(0.05, "fraction of documents held out for validation")
     cache_dir: str = flag("", "tokenization cache (empty: ~/.cache/meshlm/tokens)")
@@ -32,6 +54,22 @@ class DataConfig:
     def __post_init__(self):
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"--data.val_fraction: {self.val_fraction} must be in [0, 1)")
+        if self.format == "fields":
+            if not self.fields:
+                raise ConfigError("--data.format=fields needs --data.fields=TEMPLATE, e.g. "
+                                  "--data.fields='[instruction+input],output'")
+            parse_fields(self.fields)  # a bad template fails here, before anything runs
+        elif self.fields:
+            raise ConfigError(f"--data.fields is read only with --data.format=fields, not "
+                              f"--data.format={self.format}")
+        if self.format != "text" and self.packing == "stream":
+            raise ConfigError(f"--data.packing=stream would run {self.format} documents into "
+                              "each other; use --data.packing=isolated (or auto)")
+
+    @property
+    def isolated(self) -> bool:
+        """Whether documents are packed whole, each its own segment."""
+        return self.packing == "isolated" or (self.packing == "auto" and self.format != "text")
 
 
 @dataclass(frozen=True)
@@ -46,6 +84,41 @@ class OptimizerConfig:
     b2: float = flag(0.95, "Adam beta2")
     eps: float = flag(1e-8, "Adam epsilon")
     clip_norm: float = flag(1.0, "clip gradients to this global norm (0: off)")
+
+
+def _check_regex(flag_name, pattern):
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{flag_name}: {pattern!r} is not a regular expression ({e})") from None
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = flag(0, "LoRA adapter rank (0: off: train every weight --freeze leaves free)")
+    alpha: float = flag(16.0, "the adapters' update B A is scaled by alpha / rank")
+    dropout: float = flag(0.0, "dropout on the adapters' input, during training")
+    targets: str = flag(r"self_attn/[qkvo]_proj|mlp/(gate|up|down)_proj",
+                        "regex over parameter paths (layers_0/self_attn/q_proj/kernel): the "
+                        "attention and MLP kernels that get adapters")
+    base_dtype: Literal[("",) + tuple(DTYPES)] = flag(
+        "", "dtype the frozen base weights are stored in (empty: --param_dtype)")
+
+    def __post_init__(self):
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"--lora: rank={self.rank}, alpha={self.alpha}, dropout="
+                              f"{self.dropout}; need rank >= 0, alpha > 0, 0 <= dropout < 1")
+        _check_regex("--lora.targets", self.targets)
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    beta: float = flag(0.1, "DPO's beta (with --data.format=preference): larger keeps the "
+                       "policy closer to the reference model")
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ConfigError(f"--dpo.beta must be positive, got {self.beta}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +161,12 @@ class TrainConfig:
                               "many sigma (0: off)")
     debug_nan_steps: tuple[int, ...] = flag((), "testing aid: comma-separated steps (as "
                                             "logged) whose loss is made NaN")
-    export_hf: str = flag("", "after training, write a Hugging Face model dir here")
+    freeze: str = flag("", "regex over parameter paths to keep frozen, e.g. "
+                       "'embed_tokens|layers_[0-7]/' (empty: train every weight)")
+    export_hf: str = flag("", "after training, write a Hugging Face model dir here (with "
+                          "LoRA: the merged model)")
+    export_peft: str = flag("", "after training with --lora.rank, write the adapters here as "
+                            "a PEFT adapter dir")
     push_to_hub: str = flag("", "after --export_hf, upload it to this HF hub repo id")
     async_loop: bool = flag(True, "prepare the next batch while the device runs, and fetch "
                             "metrics only on logging steps (false: wait on every step)")
@@ -102,6 +180,8 @@ class TrainConfig:
     process_id: int = flag(-1, "multi-host: this process's index (-1: auto)")
     data: DataConfig = flag(DataConfig(), "where the training text comes from")
     optimizer: OptimizerConfig = flag(OptimizerConfig(), "how the weights move")
+    lora: LoraConfig = flag(LoraConfig(), "low-rank adapters: train them, not the weights")
+    dpo: DpoConfig = flag(DpoConfig(), "preference tuning")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
@@ -119,6 +199,12 @@ class TrainConfig:
         if self.loss_chunk and self.seq_len % self.loss_chunk:
             raise ConfigError(f"--loss_chunk={self.loss_chunk} must divide --seq_len="
                               f"{self.seq_len}")
+        _check_regex("--freeze", self.freeze)
+        if self.freeze and self.lora.rank:
+            raise ConfigError("--freeze and --lora.rank both choose what trains (LoRA freezes "
+                              "every base weight); pick the layers with --lora.targets")
+        if self.export_peft and not self.lora.rank:
+            raise ConfigError("--export_peft writes LoRA adapters; pass --lora.rank too")
         if self.push_to_hub and not self.export_hf:
             raise ConfigError("--push_to_hub uploads the --export_hf dir; pass --export_hf=DIR "
                               "as well")

@@ -18,6 +18,7 @@ dirs on gs:// are staged through a local temporary directory (storage.stage).
 
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -427,12 +428,68 @@ def shard_size_bytes(size):
     return int(value)
 
 
-def check_export_dir(out_dir):
-    """An export may replace an empty dir or an earlier HF export, nothing else."""
+def check_export_dir(out_dir, peft=False):
+    """An export may replace an empty dir or an earlier export of its kind, nothing else."""
     fs, p = storage.fs_and_path(out_dir)
-    if fs.exists(p) and (not fs.isdir(p) or (fs.ls(p) and not is_hf_dir(out_dir))):
-        raise HFError(f"{out_dir} exists and is not a Hugging Face model dir; export into an "
-                      "empty or new dir")
+    earlier = (fs.exists(f"{p.rstrip('/')}/adapter_config.json") if peft
+               else is_hf_dir(out_dir))
+    if fs.exists(p) and (not fs.isdir(p) or (fs.ls(p) and not earlier)):
+        raise HFError(f"{out_dir} exists and is not a {'PEFT adapter' if peft else 'Hugging Face model'} "
+                      "dir; export into an empty or new dir")
+
+
+def peft_modules(model_cfg: ModelConfig, targets):
+    """{kernel path: HF module name} of the kernels --lora.targets adapts. A fused HF tensor
+    (Phi-3's qkv_proj) holds several of ours; peft's one adapter per module can't say that."""
+    out = {}
+    for t in families.weight_map(model_cfg):
+        hits = [p for p in t.params if p.endswith("/kernel") and re.search(targets, p)]
+        if hits and len(t.params) > 1:
+            raise HFError(f"--export_peft: {t.hf} is fused from {len(t.params)} meshlm "
+                          "kernels, which a PEFT adapter can't express; leave it out of "
+                          "--lora.targets, or use --export_hf (the merged model)")
+        if hits:
+            out[hits[0]] = t.hf.removesuffix(".weight")
+    return out
+
+
+def export_peft(params, model_cfg: ModelConfig, lora, tokenizer_spec, out_dir, base_model=""):
+    """Write the LoRA adapters in params as a PEFT adapter dir (adapter_config.json,
+    adapter_model.safetensors, the tokenizer) that `PeftModel.from_pretrained(base, dir)`
+    loads onto the base model. Every process calls it; process 0 writes."""
+    from safetensors.numpy import save_file
+    check_export_dir(out_dir, peft=True)
+    flat = _flat(params)
+    modules = peft_modules(model_cfg, lora.targets)
+    tensors = {}
+    for kernel, module in modules.items():
+        layer = kernel.removesuffix("/kernel")
+        # peft's lora_A is a Linear(in, r): weight [r, in]; lora_B a Linear(r, out): [out, r].
+        for ours, theirs in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            tensors[f"base_model.model.{module}.{theirs}.weight"] = np.ascontiguousarray(
+                _to_host(flat[f"{layer}/{ours}"]).T)
+    if jax.process_index() != 0:
+        return out_dir
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+              "target_modules": sorted(modules.values()), "fan_in_fan_out": False,
+              "use_rslora": False, "inference_mode": True,
+              "base_model_name_or_path": base_model}
+    local_out = storage.is_local(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir)) if local_out else None
+    if local_out:
+        os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir.rstrip('/'))}.partial-",
+                               dir=parent)
+    try:
+        save_file(tensors, os.path.join(staging, "adapter_model.safetensors"))
+        save_tokenizer(tokenizer_spec, staging)
+        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        _publish(staging, out_dir, last="adapter_config.json")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
 
 
 def export(params, model_cfg: ModelConfig, tokenizer_spec, out_dir, dtype=None, max_shard_size="5GB"):
@@ -508,8 +565,9 @@ def export(params, model_cfg: ModelConfig, tokenizer_spec, out_dir, dtype=None, 
     return out_dir
 
 
-def _publish(staging, out_dir):
-    """Move a finished local staging dir to out_dir, replacing an earlier export."""
+def _publish(staging, out_dir, last="config.json"):
+    """Move a finished local staging dir to out_dir, replacing an earlier export; on an
+    object store the file that marks the dir as complete (`last`) is uploaded last."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
@@ -522,7 +580,7 @@ def _publish(staging, out_dir):
     storage.forget_staged(out_dir)  # an earlier local copy of it is stale now
     if fs.exists(p):
         fs.rm(p, recursive=True)
-    files = sorted(os.listdir(staging), key=lambda n: n == "config.json")  # config.json last
+    files = sorted(os.listdir(staging), key=lambda n: n == last)
     for name in files:
         fs.put(os.path.join(staging, name), f"{p.rstrip('/')}/{name}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -59,15 +59,33 @@ def abstract_params(model, sharding, dtype=None):
                                                           sharding=s), shapes, sharding)
 
 
+def lora_of(path):
+    """The LoRA settings (config.LoraConfig) a checkpoint was trained with, or None."""
+    from trainer.config import LoraConfig
+    from trainer.flags import from_dict
+    if kind(path) != "checkpoint":
+        return None
+    meta, _ = checkpoint.load_meta(path)
+    saved = meta.get("config", {}).get("lora")
+    lora = from_dict(LoraConfig, saved, "lora.") if saved else None
+    return lora if lora and lora.rank else None
+
+
 def load_model(path, tokenizer="", dtype="float32"):
     """A model source -> (model, params, tokenizer) on one device, for eval, generate and
-    serve. `tokenizer` overrides the source's own."""
+    serve. `tokenizer` overrides the source's own. A LoRA run's checkpoint comes with its
+    adapters merged into the weights: a plain model, as --export_hf would write it."""
+    from trainer import lora as lora_lib
     from trainer.model import build_model
     from trainer.tokenizer import load_tokenizer
     if not path:
         raise SourceError("--checkpoint is required: a meshlm checkpoint or HF model dir")
     model_cfg, tokenizer = model_source(path, tokenizer)
-    model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
+    lora = lora_of(path)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params = load_weights(path, model_cfg, abstract_params(model, device))
+    adapted = build_model(model_cfg, dtype=dtype, param_dtype=dtype, lora=lora)
+    params = load_weights(path, model_cfg, abstract_params(adapted, device))
+    if lora:
+        params = lora_lib.merged(params, lora)
+    model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
     return model, params, load_tokenizer(tokenizer)

@@ -17,6 +17,7 @@ special unless a mesh is set. Parameter names follow Hugging Face
 """
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -160,33 +161,65 @@ def _linear_params(module, in_features, features, use_bias, param_dtype):
     return kernel, bias
 
 
+def _adapter(module, in_features, features, lora, param_dtype):
+    """LoRA's A [in, r] and B [r, out] beside this layer's kernel, when --lora.targets names
+    the kernel's path; else None. A starts random and B at zero (as in the paper and peft),
+    so an adapted model starts exactly as its base."""
+    path = "/".join(module.scope.path) + "/kernel"
+    if lora is None or not lora.rank or not re.search(lora.targets, path):
+        return None
+    a = module.param("lora_a", nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+                     (in_features, lora.rank), param_dtype)  # peft's kaiming_uniform(a=sqrt 5)
+    b = module.param("lora_b", nn.initializers.zeros, (lora.rank, features), param_dtype)
+    return a, b
+
+
+def _adapter_output(module, x, adapter, lora, dtype):
+    """LoRA's low-rank update of a layer's output: dropout(x) A B * alpha / r. Dropout only
+    when the caller passes a 'dropout' rng (the train step does; evaluation doesn't)."""
+    a, b = adapter
+    if lora.dropout and module.has_rng("dropout"):
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - lora.dropout, x.shape)
+        x = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
+    return project(project(x, a.astype(dtype)), b.astype(dtype)) * (lora.alpha / lora.rank)
+
+
 class Dense(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    lora: object = None  # config.LoraConfig: rank, alpha, dropout, targets
 
     @nn.compact
     def __call__(self, x):
         kernel, bias = _linear_params(self, x.shape[-1], self.features, self.use_bias,
                                       self.param_dtype)
-        y = project(x.astype(self.dtype), kernel.astype(self.dtype))
+        adapter = _adapter(self, x.shape[-1], self.features, self.lora, self.param_dtype)
+        x = x.astype(self.dtype)
+        y = project(x, kernel.astype(self.dtype))
+        if adapter is not None:
+            y = y + _adapter_output(self, x, adapter, self.lora, self.dtype)
         return y if bias is None else y + bias.astype(self.dtype)
 
 
 class LinearParams(nn.Module):
-    """A linear layer's parameters, not applied: MLP stacks gate and up into one matmul."""
+    """A linear layer's parameters, not applied: MLP stacks gate and up into one matmul.
+    Returns (kernel, bias, adapter); bias and adapter may be None."""
     features: int
     use_bias: bool
     param_dtype: jnp.dtype
+    lora: object = None
 
     @nn.compact
     def __call__(self, in_features):
-        return _linear_params(self, in_features, self.features, self.use_bias, self.param_dtype)
+        return (*_linear_params(self, in_features, self.features, self.use_bias,
+                                self.param_dtype),
+                _adapter(self, in_features, self.features, self.lora, self.param_dtype))
 
 
-def _dense(features, use_bias, dtype, param_dtype, name):
-    return Dense(features, use_bias, dtype, param_dtype, name=name)
+def _dense(features, use_bias, dtype, param_dtype, name, lora=None):
+    return Dense(features, use_bias, dtype, param_dtype, lora, name=name)
 
 
 def _norm(cfg, dtype, param_dtype, name):
@@ -205,6 +238,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     attention_impl: str = "auto"  # one of attention.IMPLEMENTATIONS
+    lora: object = None
 
     @nn.compact
     def __call__(self, x, positions, q_slots, segment_ids=None, key_mask=None, kv_cache=None,
@@ -213,7 +247,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv_bias = switches.qkv_bias or cfg.attention_bias
-        dense = lambda n, name, bias: _dense(n, bias, self.dtype, self.param_dtype, name)  # noqa
+        dense = lambda n, name, bias: _dense(n, bias, self.dtype, self.param_dtype, name,  # noqa
+                                             self.lora)
 
         q = dense(H * Dh, "q_proj", qkv_bias)(x).reshape(B, T, H, Dh)
         k = dense(K * Dh, "k_proj", qkv_bias)(x).reshape(B, T, K, Dh)
@@ -262,22 +297,29 @@ class MLP(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    lora: object = None
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
         F = cfg.intermediate_size
-        (wg, bg), (wu, bu) = (LinearParams(F, cfg.mlp_bias, self.param_dtype, name=name)(
-            x.shape[-1]) for name in ("gate_proj", "up_proj"))
+        (wg, bg, ag), (wu, bu, au) = (
+            LinearParams(F, cfg.mlp_bias, self.param_dtype, self.lora, name=name)(x.shape[-1])
+            for name in ("gate_proj", "up_proj"))
+        x = x.astype(self.dtype)
         # Gate and up in one matmul: their kernels stacked, [D, 2, F] (F stays split over tp).
-        gate_up = project(x.astype(self.dtype), jnp.stack([wg, wu], axis=1).astype(self.dtype))
+        gate_up = project(x, jnp.stack([wg, wu], axis=1).astype(self.dtype))
         if cfg.mlp_bias:
             gate_up = gate_up + jnp.stack([bg, bu]).astype(self.dtype)
         gate, up = gate_up[..., 0, :], gate_up[..., 1, :]  # [B, T, F] each
+        if ag is not None:
+            gate = gate + _adapter_output(self, x, ag, self.lora, self.dtype)
+        if au is not None:
+            up = up + _adapter_output(self, x, au, self.lora, self.dtype)
         hidden = ACTIVATIONS[cfg.hidden_act](gate) * up  # gated: SwiGLU or GeGLU, [B, T, F]
         hidden = constrain(hidden, ("batch", "seq", "mlp"))
         return _dense(cfg.hidden_size, cfg.mlp_bias, self.dtype, self.param_dtype,
-                      "down_proj")(hidden)
+                      "down_proj", self.lora)(hidden)
 
 
 class Block(nn.Module):
@@ -286,6 +328,7 @@ class Block(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     attention_impl: str = "auto"
+    lora: object = None
 
     @nn.compact
     def __call__(self, x, positions, q_slots, segment_ids=None, key_mask=None, kv_cache=None,
@@ -293,14 +336,14 @@ class Block(nn.Module):
         norm = lambda name: _norm(self.cfg, self.dtype, self.param_dtype, name)  # noqa: E731
         sandwich = self.cfg.switches.sandwich_norms  # Gemma: the branch output is normed too
         h, new_cache = Attention(self.cfg, self.layer_type, self.dtype, self.param_dtype,
-                                 self.attention_impl, name="self_attn")(
+                                 self.attention_impl, self.lora, name="self_attn")(
             norm("input_layernorm")(x), positions, q_slots, segment_ids, key_mask, kv_cache,
             cache_index)
         if sandwich:
             h = norm("post_attention_layernorm")(h)
         x = x + h
         h = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")(x)
-        h = MLP(self.cfg, self.dtype, self.param_dtype, name="mlp")(h)
+        h = MLP(self.cfg, self.dtype, self.param_dtype, self.lora, name="mlp")(h)
         if sandwich:
             h = norm("post_feedforward_layernorm")(h)
         x = x + h
@@ -323,10 +366,11 @@ class Transformer(nn.Module):
     remat: str = "none"
     attention_impl: str = "auto"  # one of attention.IMPLEMENTATIONS
     loss_chunk: int = 0  # sequence positions per loss chunk (0: no chunks)
+    lora: object = None  # config.LoraConfig: adapters on the layers --lora.targets names
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, kv_cache=None, cache_index=0,
-                 key_mask=None, targets=None, loss_mask=None):
+                 key_mask=None, targets=None, loss_mask=None, per_row=False):
         cfg = self.cfg
         B, T = tokens.shape
         if positions is None:
@@ -351,7 +395,7 @@ class Transformer(nn.Module):
         for i, layer_type in enumerate(cfg.layer_types):
             layer_cache = kv_cache[i] if kv_cache is not None else None
             x, layer_cache = block_cls(cfg, layer_type, self.dtype, self.param_dtype,
-                                       self.attention_impl, name=f"layers_{i}")(
+                                       self.attention_impl, self.lora, name=f"layers_{i}")(
                 x, positions, q_slots, segment_ids, key_mask, layer_cache, cache_index)
             new_cache.append(layer_cache)
 
@@ -359,7 +403,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             head = embed.embedding.T  # [D, V]
         else:
-            head, _ = LinearParams(cfg.vocab_size, False, self.param_dtype, name="lm_head")(
+            head, _, _ = LinearParams(cfg.vocab_size, False, self.param_dtype, name="lm_head")(
                 cfg.hidden_size)
 
         def logits_of(h):  # [B, C, D] -> [B, C, V] float32
@@ -370,30 +414,34 @@ class Transformer(nn.Module):
             return constrain(logits, ("batch", "seq", "vocab"))
 
         if targets is not None:
-            return chunked_cross_entropy(logits_of, x, targets, loss_mask, self.loss_chunk)
+            return chunked_cross_entropy(logits_of, x, targets, loss_mask, self.loss_chunk,
+                                         per_row)
         if kv_cache is not None:
             return logits_of(x), new_cache
         return logits_of(x)
 
 
-def chunked_cross_entropy(logits_of, x, targets, mask, chunk):
+def chunked_cross_entropy(logits_of, x, targets, mask, chunk, per_row=False):
     """cross_entropy over sequence chunks of `chunk` positions, each chunk's logits made,
     used and dropped in turn (and made again in the backward pass), so that the full
-    [B, T, V] logits never exist: at a 128k vocab they are the largest activation."""
+    [B, T, V] logits never exist: at a 128k vocab they are the largest activation.
+    per_row: sums per row ([B] each; DPO scores whole sequences), not over the batch."""
     B, T, _ = x.shape
+    loss_of = row_cross_entropy if per_row else cross_entropy
     if not chunk or chunk >= T:
-        return cross_entropy(logits_of(x), targets, mask)
+        return loss_of(logits_of(x), targets, mask)
     if T % chunk:
         raise ValueError(f"loss chunk {chunk} must divide the sequence length {T}")
 
     @jax.checkpoint
     def chunk_loss(carry, part):
         h, t, m = part
-        loss, count = cross_entropy(logits_of(h), t, m)
+        loss, count = loss_of(logits_of(h), t, m)
         return (carry[0] + loss, carry[1] + count), None
 
     split = lambda a: a.reshape(B, T // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731
-    (loss, count), _ = jax.lax.scan(chunk_loss, (jnp.float32(0), jnp.float32(0)),
+    zero = jnp.zeros((B,) if per_row else (), jnp.float32)
+    (loss, count), _ = jax.lax.scan(chunk_loss, (zero, zero),
                                     (split(x), split(targets), split(mask)))
     return loss, count
 
@@ -408,10 +456,12 @@ def loss_chunk_for(batch_size, seq_len, vocab_size, budget=2 ** 24):
 
 
 def build_model(model_cfg: ModelConfig, dtype="float32", param_dtype="float32", remat="none",
-                attention_impl="auto", loss_chunk=0):
-    """The Transformer for a model config, computing in `dtype`, storing `param_dtype`."""
+                attention_impl="auto", loss_chunk=0, lora=None):
+    """The Transformer for a model config, computing in `dtype`, storing `param_dtype`;
+    lora (config.LoraConfig with rank > 0) adds adapters."""
     return Transformer(model_cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype],
-                       remat=remat, attention_impl=attention_impl, loss_chunk=loss_chunk)
+                       remat=remat, attention_impl=attention_impl, loss_chunk=loss_chunk,
+                       lora=lora if lora is not None and lora.rank else None)
 
 
 def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):
@@ -420,19 +470,27 @@ def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):
             for _ in range(cfg.num_hidden_layers)]
 
 
-def batch_loss(model, params, batch):
+def batch_loss(model, params, batch, dropout_rng=None, per_row=False):
     """Summed loss and target count of a batch {'inputs', 'targets', 'loss_mask'}, with
-    'positions' and 'segment_ids' where rows pack several documents."""
+    'positions' and 'segment_ids' where rows pack several documents; per_row: [B] each.
+    dropout_rng: LoRA dropout's randomness (training only)."""
     return model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
                        segment_ids=batch.get("segment_ids"), targets=batch["targets"],
-                       loss_mask=batch["loss_mask"])
+                       loss_mask=batch["loss_mask"], per_row=per_row,
+                       rngs={"dropout": dropout_rng} if dropout_rng is not None else {})
 
 
 def cross_entropy(logits, targets, mask):
     """Summed next-token loss over positions where mask is 1, and how many there were.
 
     Sums, not means, so that micro-batches and hosts add up to the exact full-batch mean."""
+    loss, count = row_cross_entropy(logits, targets, mask)
+    return jnp.sum(loss), jnp.sum(count)
+
+
+def row_cross_entropy(logits, targets, mask):
+    """cross_entropy per row: logits [B, T, V] -> (loss sums [B], target counts [B])."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     token_loss = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     mask = mask.astype(jnp.float32)
-    return jnp.sum(token_loss * mask), jnp.sum(mask)
+    return jnp.sum(token_loss * mask, axis=-1), jnp.sum(mask, axis=-1)

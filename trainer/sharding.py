@@ -105,9 +105,13 @@ def path_str(path):
     return "/".join(parts)
 
 
+def _pad(spec, ndim):
+    return list(spec) + [None] * (ndim - len(spec))
+
+
 def _fit(spec, shape, mesh):
     """Drop mesh axes that don't evenly divide their dimension (small biases, odd vocabs)."""
-    axes = list(spec) + [None] * (len(shape) - len(spec))
+    axes = _pad(spec, len(shape))
     for i, axis in enumerate(axes):
         if axis is not None and shape[i] % mesh.shape[axis]:
             axes[i] = None
@@ -119,11 +123,22 @@ def spec_for(path, shape, mesh, rules=PARAM_RULES):
     if len(shape) == 0:
         return P()  # step counters, RNG keys, optimizer counts
     name = path_str(path)
+    if name.endswith(("/lora_a", "/lora_b")):
+        # A LoRA adapter follows its kernel's rule: A [in, r] is split like the kernel's
+        # input side, B [r, out] like its output side; the small rank is never split.
+        kernel = _pad(_rule(name.rsplit("/", 1)[0] + "/kernel", shape, rules), 2)
+        spec = P(kernel[0], None) if name.endswith("/lora_a") else P(None, kernel[1])
+    else:
+        spec = _rule(name, shape, rules)
+    if len(spec) > len(shape):  # a factored optimizer statistic of this parameter
+        return P()
+    return _fit(spec, shape, mesh)
+
+
+def _rule(name, shape, rules):
     for pattern, spec in rules:
         if re.search(pattern, name):
-            if len(spec) > len(shape):  # a factored optimizer statistic of this parameter
-                return P()
-            return _fit(spec, shape, mesh)
+            return spec
     raise ShardingError(f"parameter '{name}' (shape {tuple(shape)}) matches no rule in "
                         "trainer/sharding.py PARAM_RULES; add one")
 

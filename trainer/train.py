@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 
 import fsspec
 import jax
@@ -25,7 +26,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from trainer import attention, checkpoint, data, flags, loading, optim, sharding, storage
+from trainer import attention, checkpoint, data, dpo, flags, loading, lora, optim, sharding
+from trainer import storage
 from trainer.config import TrainConfig
 from trainer.errors import UserError
 from trainer.families import ModelConfig
@@ -41,12 +43,36 @@ PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5": 459,
 
 
 # ------------------------------------------------------------------ the step
-def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_sigma,
-               nan_steps=()):
+class Objective(typing.NamedTuple):
+    """What the step minimises. loss(params, state, batch, dropout_rng) -> (loss summed over
+    the batch, how many things it was summed over, {name: sum} of the `metrics` named here);
+    the step divides all of them by the global count."""
+    loss: typing.Callable
+    metrics: tuple = ()
+
+
+def make_objective(cfg, model):
+    """Next-token loss on the masked targets, or DPO for --data.format=preference (its
+    reference: the base model with LoRA's adapters off, else a frozen copy of the start)."""
+    if cfg.data.format != "preference":
+        return Objective(lambda params, state, batch, rng: (
+            *batch_loss(model, params, batch, rng), {}))
+
+    def dpo_objective(params, state, batch, rng):
+        reference = lora.adapters_off(params) if cfg.lora.rank else state["ref_params"]
+        return dpo.dpo_loss(model, params, reference, batch, cfg.dpo.beta, rng)
+    return Objective(dpo_objective, dpo.METRICS)
+
+
+def train_step(state, batch, *, objective, trainable, optimizer, schedule, grad_accum,
+               spike_sigma, dropout=False, nan_steps=()):
     """One optimizer step over the global batch, in grad_accum micro-batches.
 
     state: {'params', 'opt_state', 'step', 'rng', 'bad_steps', 'loss_mean', 'loss_var'}
-    batch: {'inputs', 'targets', 'loss_mask'}, each [B, T]
+    (+ 'ref_params': DPO's reference without LoRA)
+    batch: {'inputs', 'targets', 'loss_mask'}, each [B, T] ([B, 2, T] for DPO's pairs)
+    trainable: the mask (lora.py) of the params that train; only they get gradients and
+    optimizer state. dropout: LoRA dropout is on (its randomness comes from state['rng']).
     A non-finite loss or gradient (or, with spike_sigma > 0, a loss spike) skips the
     update and counts a bad step; a good step resets the count.
     nan_steps (testing aid, --debug_nan_steps): steps, numbered as logged, whose loss and
@@ -54,28 +80,35 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
     """
     poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(nan_steps, jnp.int32)),
                        jnp.nan, 1.0) if nan_steps else 1.0
+    train_params, frozen_params = lora.split(state["params"], trainable)
 
-    def micro_loss(params, micro):
-        loss_sum, n = batch_loss(model, params, micro)
-        return loss_sum * poison, n
+    def micro_loss(train_params, micro, index):
+        rng = jax.random.fold_in(state["rng"], index) if dropout else None
+        loss_sum, n, sums = objective.loss(lora.join(train_params, frozen_params), state,
+                                           micro, rng)
+        return loss_sum * poison, (n, sums)
 
-    def accumulate(carry, micro):
-        grad_sum, loss_sum, count = carry
-        (loss, n), grads = jax.value_and_grad(micro_loss, has_aux=True)(state["params"], micro)
+    def accumulate(carry, micro_and_index):
+        grad_sum, loss_sum, count, sums_total = carry
+        (loss, (n, sums)), grads = jax.value_and_grad(micro_loss, has_aux=True)(
+            train_params, *micro_and_index)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-        return (grad_sum, loss_sum + loss, count + n), None
+        sums_total = {k: sums_total[k] + sums[k] for k in sums_total}
+        return (grad_sum, loss_sum + loss, count + n, sums_total), None
 
     # Gradients add up in float32, whatever the parameter dtype.
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-    carry = (zeros, jnp.float32(0), jnp.float32(0))
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train_params)
+    carry = (zeros, jnp.float32(0), jnp.float32(0),
+             {k: jnp.float32(0) for k in objective.metrics})
     if grad_accum == 1:  # no loop: XLA fuses the backward pass with what follows
-        (grad_sum, loss_sum, count), _ = accumulate(carry, batch)
+        (grad_sum, loss_sum, count, sums), _ = accumulate(carry, (batch, 0))
     else:
-        # [B, T] -> [A, B/A, T] such that every micro-batch keeps each device's share of rows.
+        # [B, ...] -> [A, B/A, ...] such that every micro-batch keeps each device's rows.
         micro_batches = jax.tree.map(
             lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
             batch)
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, carry, micro_batches)
+        (grad_sum, loss_sum, count, sums), _ = jax.lax.scan(
+            accumulate, carry, (micro_batches, jnp.arange(grad_accum)))
     count = jnp.maximum(count, 1.0)
     loss = loss_sum / count
     grads = jax.tree.map(lambda g: g / count, grad_sum)
@@ -86,8 +119,8 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
         limit = state["loss_mean"] + spike_sigma * jnp.sqrt(state["loss_var"])
         ok &= (state["good_steps"] < 50) | (loss <= limit)
 
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state["params"], updates)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], train_params)
+    new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), train_params, updates)
     # Every state leaf keeps its dtype (bf16 params get f32 gradients, so Adam's moments
     # would drift to f32), or the compiled step and its donated buffers no longer fit.
     keep_old = lambda new, old: jax.tree.map(
@@ -97,7 +130,8 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
     rate = jnp.where(state["good_steps"] == 0, 1.0, 0.05)
     delta = loss - state["loss_mean"]
     new_state = {
-        "params": keep_old(params, state["params"]),
+        **state,
+        "params": lora.join(keep_old(new_params, train_params), frozen_params),
         "opt_state": keep_old(opt_state, state["opt_state"]),
         "step": state["step"] + 1,
         "rng": jax.random.split(state["rng"])[0],
@@ -110,19 +144,27 @@ def train_step(state, batch, *, model, optimizer, schedule, grad_accum, spike_si
     # The optimizer's schedule counts applied updates (a skipped step leaves its state as it
     # was), which is good_steps: that is the lr this step used.
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["good_steps"]),
-               "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
+               "skipped": ~ok, "bad_steps": new_state["bad_steps"],
+               **{k: v / count for k, v in sums.items()}}
     return new_state, metrics
 
 
-def init_state(rng, *, model, optimizer, seq_len):
+def init_state(rng, base=None, *, model, optimizer, seq_len, trainable, base_dtype="",
+               reference=False):
+    """A fresh train state: random weights, or `base` (loaded weights: all but any new LoRA
+    adapters). Frozen weights are stored in base_dtype; only trainable ones get optimizer
+    state. reference: keep a frozen copy of the starting weights (DPO without LoRA)."""
     params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
-    return fresh_state(params, optimizer, rng)
-
-
-def fresh_state(params, optimizer, rng):
-    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0),
-            "rng": jax.random.fold_in(rng, 1), "bad_steps": jnp.int32(0),
-            "good_steps": jnp.int32(0), "loss_mean": jnp.float32(0), "loss_var": jnp.float32(0)}
+    if base is not None:
+        params = lora.join(lora.split(params, lora.adapter_mask(params))[0], base)
+    params = lora.cast_frozen(params, trainable, base_dtype and DTYPES[base_dtype])
+    state = {"params": params, "opt_state": optimizer.init(lora.split(params, trainable)[0]),
+             "step": jnp.int32(0), "rng": jax.random.fold_in(rng, 1), "bad_steps": jnp.int32(0),
+             "good_steps": jnp.int32(0), "loss_mean": jnp.float32(0),
+             "loss_var": jnp.float32(0)}
+    if reference:
+        state["ref_params"] = jax.tree.map(jnp.copy, params)
+    return state
 
 
 # ------------------------------------------------------------------ setup
@@ -146,13 +188,17 @@ def resolve_config(argv):
                                 cfg.model.head_dim)
     if why:
         raise ConfigError(f"--attention={cfg.attention}: {why}; use --attention=auto")
-    if cfg.export_hf:  # fail now, not after training
+    if cfg.export_hf or cfg.export_peft:  # fail now, not after training
         from trainer import hf
-        hf.check_export_dir(cfg.export_hf)
         try:
-            hf.hf_config(cfg.model, "float32")
+            if cfg.export_hf:
+                hf.check_export_dir(cfg.export_hf)
+                hf.hf_config(cfg.model, "float32")
+            if cfg.export_peft:
+                hf.check_export_dir(cfg.export_peft, peft=True)
+                hf.peft_modules(cfg.model, cfg.lora.targets)
         except hf.HFError as e:
-            raise ConfigError(f"--export_hf: {e}") from None
+            raise ConfigError(f"--export_{'hf' if cfg.export_hf else 'peft'}: {e}") from None
     return cfg
 
 
@@ -270,14 +316,24 @@ class Trainer:
     def __init__(self, cfg, mesh):
         batch_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
         rows_per_device = cfg.batch_size // cfg.grad_accum // batch_shards
+        if cfg.data.format == "preference":
+            rows_per_device *= 2  # each row is a pair of sequences
         chunk = cfg.loss_chunk or loss_chunk_for(rows_per_device, cfg.seq_len,
                                                  cfg.model.vocab_size)
         self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat, cfg.attention,
-                                 chunk)
+                                 chunk, cfg.lora)
         self.optimizer, self.schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
         self.rng = jax.random.PRNGKey(cfg.seed)
-        init_fn = functools.partial(init_state, model=self.model, optimizer=self.optimizer,
-                                    seq_len=cfg.seq_len)
+        param_shapes = jax.eval_shape(self.model.init, self.rng,
+                                      jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+        if cfg.lora.rank:
+            lora.check_targets(param_shapes, cfg.lora)
+        self.trainable = lora.trainable_mask(param_shapes, cfg.lora.rank, cfg.freeze)
+        objective = make_objective(cfg, self.model)
+        init_fn = functools.partial(
+            init_state, model=self.model, optimizer=self.optimizer, seq_len=cfg.seq_len,
+            trainable=self.trainable, base_dtype=cfg.lora.base_dtype if cfg.lora.rank else "",
+            reference=cfg.data.format == "preference" and not cfg.lora.rank)
         shapes = jax.eval_shape(init_fn, self.rng)
         self.state_shardings = sharding.state_shardings(
             shapes, mesh, sharding.param_rules(cfg.model, mesh))
@@ -286,21 +342,27 @@ class Trainer:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         # A fresh state is created in its sharded layout: no device ever holds all of it.
         self._init = jax.jit(init_fn, out_shardings=self.state_shardings)
-        self._from_params = jax.jit(lambda p: fresh_state(p, self.optimizer, self.rng),
-                                    out_shardings=self.state_shardings)
         self.step_fn = jax.jit(
-            functools.partial(train_step, model=self.model, optimizer=self.optimizer,
-                              schedule=self.schedule, grad_accum=cfg.grad_accum,
-                              spike_sigma=cfg.spike_sigma,
+            functools.partial(train_step, objective=objective, trainable=self.trainable,
+                              optimizer=self.optimizer, schedule=self.schedule,
+                              grad_accum=cfg.grad_accum, spike_sigma=cfg.spike_sigma,
+                              dropout=bool(cfg.lora.rank and cfg.lora.dropout),
                               nan_steps=cfg.debug_nan_steps),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_fn = jax.jit(functools.partial(batch_loss, self.model),
-                               in_shardings=(self.state_shardings["params"], self.batch_sharding))
+        self.eval_fn = jax.jit(lambda state, batch: objective.loss(state["params"], state,
+                                                                   batch, None)[:2],
+                               in_shardings=(self.state_shardings, self.batch_sharding))
 
-    def fresh_state(self, params=None):
-        """A new train state around random weights (or `params`), created sharded."""
-        return self._init(self.rng) if params is None else self._from_params(params)
+    def fresh_state(self, base=None):
+        """A new train state around random weights, or `base`: the loaded weights of every
+        parameter but LoRA's adapters (lora.without_adapters), created sharded."""
+        return self._init(self.rng) if base is None else self._init(self.rng, base)
+
+    @property
+    def abstract_base(self):
+        """What a model source must provide: the params without adapters, sharded."""
+        return lora.without_adapters(self.abstract_state["params"])
 
 
 # ------------------------------------------------------------------ the run
@@ -326,8 +388,8 @@ def _run(cfg, stop):
             f"model.vocab_size={cfg.model.vocab_size}; pass --model.vocab_size="
             f"{-(-tokenizer.vocab_size // 128) * 128}")
     train_data, val_data = data.load_dataset(cfg.data, tokenizer, cfg.seq_len)
+    trainer = Trainer(cfg, mesh)  # (before any file is written: it checks --lora, --freeze)
     prepare_output_dir(cfg)
-    trainer = Trainer(cfg, mesh)
     mngr = checkpoint.manager(checkpoint.checkpoint_dir(cfg.output_dir), cfg.keep, cfg.keep_every)
     with jax.set_mesh(mesh), BatchFeed(cfg, train_data, trainer.batch_sharding) as feed:
         state, start = restore_or_init(cfg, trainer, mngr, log)
@@ -400,14 +462,24 @@ def restore_or_init(cfg, trainer, mngr, log):
     if start is None:
         if cfg.init_from:
             return trainer.fresh_state(loading.load_weights(
-                cfg.init_from, cfg.model, trainer.abstract_state["params"])), 0
+                cfg.init_from, cfg.model, trainer.abstract_base)), 0
         return trainer.fresh_state(), 0
-    saved = ModelConfig.from_dict(checkpoint.read_meta(mngr, start)["model"]).to_dict()
+    meta = checkpoint.read_meta(mngr, start)
+    saved = ModelConfig.from_dict(meta["model"]).to_dict()
     if saved != cfg.model.to_dict():
         diff = [k for k in saved if saved[k] != cfg.model.to_dict().get(k)]
         raise checkpoint.CheckpointError(
             f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
             f"{saved[diff[0]]} there); use another --output_dir, or --resume=never --overwrite")
+    ours, theirs = flags.to_dict(cfg), meta.get("config", {})
+    for name in ("lora", "freeze", "data.format"):  # what the train state holds
+        group, _, field = name.partition(".")
+        mine = ours[group][field] if field else ours[group]
+        there = theirs.get(group, {}).get(field) if field else theirs.get(group)
+        if there is not None and there != mine:
+            raise checkpoint.CheckpointError(
+                f"{cfg.output_dir} holds a checkpoint trained with --{name}={there}, not "
+                f"{mine}; use another --output_dir, or --resume=never --overwrite")
     if start >= cfg.steps:
         log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
             "nothing to do. Raise --steps to train on.")
@@ -460,8 +532,9 @@ def compile_step(cfg, trainer, state, example, mesh, log):
     flops = cfg.model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
     xla = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    trains = sum(x.size for x in jax.tree.leaves(lora.split(state["params"], trainer.trainable)[0]))
     kernel = attention.choose(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len, cfg.model.head_dim)
-    log(f"model: {cfg.model.model_type}, {params:,} params; mesh dp,fsdp,tp = "
+    log(f"model: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh dp,fsdp,tp = "
         f"{tuple(mesh.shape.values())} over {jax.device_count()} devices; attention: {kernel}; "
         f"FLOPs/step analytic {flops:.3g}, XLA {xla:.3g}")
     return compiled, flops
@@ -482,7 +555,7 @@ def held_out_loss(cfg, trainer, val_data, feed, state):
     for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
-        s, n = trainer.eval_fn(state["params"], feed.to_global(
+        s, n = trainer.eval_fn(state, feed.to_global(
             {k: v[feed.rows] for k, v in full.items()}))
         loss_sum, count = loss_sum + float(s), count + float(n)
     return loss_sum / max(count, 1.0)
@@ -537,6 +610,7 @@ class StepLog:
                   "tflops_per_device": self.flops_per_token * tps / self.num_devices / 1e12}
         if self.peak:
             record["mfu"] = record["tflops_per_device"] / self.peak
+        record.update({k: float(v) for k, v in metrics.items() if k in dpo.METRICS})
         if metrics["skipped"]:
             record["skipped"] = True
         if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
@@ -582,11 +656,17 @@ class SavePolicy:
 
 
 def export_at_end(cfg, state, log):
-    """--export_hf (and --push_to_hub) once training is done."""
+    """--export_hf (LoRA: the merged model), --push_to_hub and --export_peft once training
+    is done."""
+    from trainer import hf
+    if cfg.export_peft:
+        hf.export_peft(state["params"], cfg.model, cfg.lora, cfg.tokenizer, cfg.export_peft,
+                       base_model=cfg.init_from)
+        log(f"exported the LoRA adapters (PEFT) to {cfg.export_peft}")
     if not cfg.export_hf:
         return
-    from trainer import hf
-    hf.export(state["params"], cfg.model, cfg.tokenizer, cfg.export_hf)
+    params = lora.merged(state["params"], cfg.lora) if cfg.lora.rank else state["params"]
+    hf.export(params, cfg.model, cfg.tokenizer, cfg.export_hf)
     log(f"exported Hugging Face model to {cfg.export_hf}")
     if cfg.push_to_hub:
         hf.push_to_hub(cfg.export_hf, cfg.push_to_hub)
