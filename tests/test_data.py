@@ -310,9 +310,10 @@ def test_error_messages(tmp_path):
                                              r"use a smaller --seq_len"):
         load(tmp_path, seq_len=64, val_fraction=0, path=write_jsonl(tmp_path / "s.jsonl", [{"text": "tiny 1"}]))
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(data.DataError, match=r"no documents found"):
+    with pytest.raises(data.DataError, match=r"empty.jsonl: the file is empty; remove it"):
         load(tmp_path, path=str(tmp_path / "empty.jsonl"))
-    with pytest.raises(data.DataError, match=r"c.jsonl:2: messages\[1\] must be \{\"role\""):
+    with pytest.raises(data.DataError, match=r"c.jsonl:2: messages\[1\] has role \"bot\"; allowed roles: "
+                                             r"system, user, assistant$"):
         load(tmp_path, format="chat", path=write_jsonl(tmp_path / "c.jsonl", [
             {"messages": CONVERSATIONS[1]}, {"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}]))
     with pytest.raises(data.DataError, match=r"only 1 document\(s\).*--data.val_fraction=0"):

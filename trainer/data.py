@@ -1,10 +1,32 @@
 """Data sources, the tokenization cache, packing and the batch for step k.
 
-Flow: a source yields records (text or chat messages) -> the tokenizer turns each into
-one document of ids (plus a per-token loss mask for chat) -> the documents are cached on
-disk -> split by whole documents into train/validation -> packed into rows of seq_len+1
-tokens -> `Dataset.batch(step)` picks rows by a per-epoch permutation.  The batch for a
-step is a pure function of (data, seed, step): there is no iterator state (DESIGN rule 4).
+Formats (--data.format) and their JSONL rows:
+  text        {"text": "..."}, or .txt files: every token is learned
+  chat        {"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}:
+              loss on the assistant turns (tokenizer.py says exactly where)
+  fields      any JSON object, rendered by the --data.fields template (tokenizer.parse_fields)
+  preference  {"prompt": "..." or messages ending in a user turn, "chosen": "...",
+              "rejected": "..."}: two sequences through the chat template, loss on the replies
+
+Flow: a source yields rows -> each row is checked and becomes one document of ids with a
+per-token loss mask (two for a preference pair); a bad row is one DataError naming its file
+and line, or with --data.skip_bad_rows is skipped and counted; a conversation longer than a
+row is shortened by whole exchanges or dropped (--data.long) -> the documents are cached on
+disk -> split by whole documents (pairs) into train/validation -> packed into rows of
+seq_len+1 tokens -> `Dataset.batch(step)` picks rows by a per-epoch permutation. The batch
+for a step is a pure function of (data, seed, step): there is no iterator state (DESIGN
+rule 4).
+
+Packing (--data.packing): `stream` concatenates documents and cuts the stream into rows
+(text); `isolated` places documents whole into rows, greedily in order, each its own
+segment. A preference pair has a row to itself.
+
+The batch: "inputs" and "targets" int32 and "loss_mask" float32, [B, T] ([B, 2, T] for
+preference: index 0 chosen, 1 rejected); with isolated packing also "segment_ids" (1, 2, ...
+per document within a row, 0 on padding) and "positions" (from 0 in each document), int32
+[B, T] and aligned with inputs. loss_mask is 0 on padding and wherever the target lies in
+another segment than the input. The train step divides the summed token loss of the whole
+global batch (all micro-batches and hosts) by the number of unmasked targets in it.
 """
 import functools
 import hashlib
@@ -20,12 +42,15 @@ import numpy as np
 from trainer import storage
 from trainer.config import DataConfig
 from trainer.errors import UserError, one_line
-from trainer.tokenizer import Tokenizer
+from trainer.flags import ConfigError
+from trainer.tokenizer import Tokenizer, parse_fields
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2          # bump when the cached layout or tokenization rules change
+CACHE_VERSION = 3          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines
+ROLES = ("system", "user", "assistant")
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
 class DataError(UserError):
@@ -46,14 +71,15 @@ def _stat(fs, path) -> list:
 
 
 def _resolve_source(cfg: DataConfig):
-    """Returns (key, records): key identifies the source for the cache; records() yields
-    (where, text_or_messages) with `where` like "data.jsonl:3" for error messages."""
+    """Returns (key, rows): key identifies the source for the cache; rows() yields (where,
+    row) with `where` like "data.jsonl:3" for error messages, and row a dict (a JSON object,
+    a dataset row, or {text_field: text} for a text file) or, for a line that is not a JSON
+    object, the DataError that says so (a bad row like any other)."""
     spec, fmt = cfg.path, cfg.format
-    field = cfg.messages_field if fmt == "chat" else cfg.text_field
     if spec == "builtin":
-        if fmt == "chat":
-            raise DataError("--data.format=chat needs --data.path with conversations; the builtin corpus is plain text")
-        return ["builtin"], _builtin_records
+        if fmt != "text":
+            raise DataError(f"--data.format={fmt} needs --data.path with JSONL rows; the builtin corpus is plain text")
+        return ["builtin"], lambda: _builtin_rows(cfg.text_field)
     fs, path = fsspec.core.url_to_fs(spec)
     if _is_glob(spec):
         files = sorted(fs.glob(path))
@@ -62,11 +88,11 @@ def _resolve_source(cfg: DataConfig):
     elif fs.isfile(path):
         files = [path]
     elif fs.isdir(path) or not _looks_like_file(spec):
-        return _hf_source(spec, fs, path, fmt, field, cfg.split)
+        return _hf_source(spec, fs, path, cfg)
     else:
         raise DataError(f"--data.path: file not found: {spec}")
     key = [_stat(fs, f) for f in files]
-    return key, lambda: (r for f in files for r in _file_records(fs, f, fmt, field))
+    return key, lambda: (r for f in files for r in _file_rows(fs, f, cfg))
 
 
 def _looks_like_file(spec: str) -> bool:
@@ -75,74 +101,68 @@ def _looks_like_file(spec: str) -> bool:
     return "://" in spec or spec.startswith((".", "/", "~")) or suffix in (".txt", ".jsonl", ".json", ".gz")
 
 
-def _builtin_records():
+def _builtin_rows(field):
     """Python's own help topics: ~80 documents, ships with every Python."""
     from pydoc_data.topics import topics
     for name in sorted(topics):
-        yield f"builtin:{name}", topics[name]
+        yield f"builtin:{name}", {field: topics[name]}
 
 
-def _file_records(fs, path, fmt, field):
+def _file_rows(fs, path, cfg):
     url = fs.unstrip_protocol(path)
     name = path if storage.is_local(url) else url  # as the user wrote it
     stem = path[:-3] if path.endswith(".gz") else path
+    empty = DataError(f"{name}: the file is empty; remove it or leave it out of --data.path")
     with fs.open(path, "rt", encoding="utf-8", compression="infer") as f:
         if stem.endswith(".jsonl"):
+            lines = 0
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    yield f"{name}:{lineno}", _json_record(line, f"{name}:{lineno}", fmt, field)
+                    lines += 1
+                    yield f"{name}:{lineno}", _json_row(line, f"{name}:{lineno}")
+            if not lines:
+                raise empty
             return
-        if fmt == "chat":
-            raise DataError(f"--data.path: {name}: --data.format=chat needs .jsonl files with a "
-                            f"{field!r} list per line")
+        if cfg.format != "text":
+            raise DataError(f"--data.path: {name}: --data.format={cfg.format} needs .jsonl files, "
+                            "one JSON object per line")
         text = f.read()
+    if not text.strip():
+        raise empty
     # A text file is one document; a long one is cut at blank lines so that the
     # validation split (by whole documents) has something to choose from.
     chunk = []
     for para in text.split("\n\n"):
         chunk.append(para)
         if sum(map(len, chunk)) >= _TEXT_CHUNK_CHARS:
-            yield name, "\n\n".join(chunk)
+            yield name, {cfg.text_field: "\n\n".join(chunk)}
             chunk = []
     if any(chunk):
-        yield name, "\n\n".join(chunk)
+        yield name, {cfg.text_field: "\n\n".join(chunk)}
 
 
-def _json_record(line, where, fmt, field):
+def _json_row(line, where):
+    """A JSONL line as a dict, or the DataError saying why it is not one."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        return DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object")
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return _field(row, where, fmt, field)
+        return DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
-def _field(row, where, fmt, field):
-    flag = "--data.messages_field" if fmt == "chat" else "--data.text_field"
-    if field not in row:
-        raise DataError(f"{where}: no field {field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
-                        f"set {flag} to the field that holds the {'messages' if fmt == 'chat' else 'text'}")
-    value = row[field]
-    if fmt == "chat":
-        return _check_messages(value, where, field)
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
-    return value
+def _columns(cfg: DataConfig):
+    """The row fields a format reads, and the flag that names them."""
+    if cfg.format == "fields":
+        names = [v for _, part in parse_fields(cfg.fields) for kind, v in part if kind == "field"]
+        return list(dict.fromkeys(names)), "--data.fields"
+    return {"text": ([cfg.text_field], "--data.text_field"),
+            "chat": ([cfg.messages_field], "--data.messages_field"),
+            "preference": (list(PAIR_FIELDS), "--data.format=preference")}[cfg.format]
 
 
-def _check_messages(messages, where, field):
-    ok_roles = ("system", "user", "assistant")
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: {field!r} must be a non-empty list of {{\"role\", \"content\"}} objects")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ok_roles and isinstance(m.get("content"), str)):
-            raise DataError(f"{where}: {field}[{i}] must be {{\"role\": one of {'|'.join(ok_roles)}, "
-                            f"\"content\": string}}, got {json.dumps(m)[:80]}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def _hf_source(spec, fs, path, fmt, field, split):
+def _hf_source(spec, fs, path, cfg):
     """A Hugging Face dataset: a save_to_disk directory or one already in the local HF cache."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing may be downloaded
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,72 +173,321 @@ def _hf_source(spec, fs, path, fmt, field, split):
                         "which needs `pip install datasets`") from None
     saved = fs.isdir(path) and any(fs.exists(f"{path}/{n}") for n in ("state.json", "dataset_dict.json"))
     try:
-        ds = datasets.load_from_disk(spec) if saved else datasets.load_dataset(spec, split=split)
+        ds = datasets.load_from_disk(spec) if saved else datasets.load_dataset(spec, split=cfg.split)
     except Exception as e:  # noqa: BLE001 -- offline lookups fail in many ways; all mean "not available"
         raise DataError(f"--data.path: {spec!r} is not a file, glob, or Hugging Face dataset available "
                         f"offline ({one_line(e)[:200]})") from None
     if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise DataError(f"--data.split: {spec} has no split {split!r} (splits: {', '.join(ds)})")
-        ds = ds[split]
-    if field not in ds.column_names:
-        flag = "--data.messages_field" if fmt == "chat" else "--data.text_field"
-        raise DataError(f"{flag}: dataset {spec} has no column {field!r} (columns: {', '.join(ds.column_names)})")
-    key = ["hf", spec, split] + [_stat(fsspec.filesystem("file"), f["filename"]) for f in ds.cache_files]
+        if cfg.split not in ds:
+            raise DataError(f"--data.split: {spec} has no split {cfg.split!r} (splits: {', '.join(ds)})")
+        ds = ds[cfg.split]
+    columns, flag = _columns(cfg)
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise DataError(f"{flag}: dataset {spec} has no column {missing[0]!r} (columns: {', '.join(ds.column_names)})")
+    key = ["hf", spec, cfg.split] + [_stat(fsspec.filesystem("file"), f["filename"]) for f in ds.cache_files]
 
-    def records():
-        for i, value in enumerate(ds[field]):
-            yield f"{spec}[{i}]", _field({field: value}, f"{spec}[{i}]", fmt, field)
-    return key, records
+    def rows():
+        for i, values in enumerate(zip(*(ds[c] for c in columns))):
+            yield f"{spec}[{i}]", dict(zip(columns, values))
+    return key, rows
+
+
+# ---------------------------------------------------------------------- row checks
+
+def _json_type(value) -> str:
+    return {bool: "true/false", int: "a number", float: "a number", type(None): "null",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _value(row, where, field, flag, what):
+    if field not in row:
+        raise DataError(f"{where}: no field {field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
+                        f"set {flag} to the field that holds the {what}")
+    return row[field]
+
+
+def _text(row, where, field):
+    value = _value(row, where, field, "--data.text_field", "text")
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {_json_type(value)}, not a string")
+    return value
+
+
+def _messages(value, where, field):
+    """A list of {"role", "content"} with known roles and string contents."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {field!r} must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {field}[{i}] must be a {{\"role\", \"content\"}} object, "
+                            f"got {json.dumps(m)[:60]}")
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: {field}[{i}] has role {json.dumps(m.get('role'))}; "
+                            f"allowed roles: {', '.join(ROLES)}")
+        if "content" not in m:
+            raise DataError(f"{where}: {field}[{i}] has no \"content\"; every message needs a string \"content\"")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: {field}[{i}][\"content\"] is {_json_type(m['content'])}; it must be a string")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _conversation(row, where, field):
+    messages = _messages(_value(row, where, field, "--data.messages_field", "messages"), where, field)
+    if not _has_assistant(messages):
+        raise DataError(f"{where}: no assistant turn; a conversation needs at least one "
+                        "{\"role\": \"assistant\"} message to learn from")
+    return messages
+
+
+def _has_assistant(messages) -> bool:
+    return any(m["role"] == "assistant" for m in messages)
+
+
+def _pair(row, where):
+    """A preference row -> (prompt messages, chosen reply, rejected reply)."""
+    for field in PAIR_FIELDS:
+        if field not in row:
+            raise DataError(f"{where}: no field {field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
+                            "a preference row needs \"prompt\", \"chosen\" and \"rejected\"")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    else:
+        prompt = _messages(prompt, where, "prompt")
+        if prompt[-1]["role"] != "user":
+            raise DataError(f"{where}: 'prompt' ends with a {prompt[-1]['role']} turn; it must end "
+                            "with the user turn that chosen and rejected reply to")
+    return prompt, _reply(row, "chosen", where), _reply(row, "rejected", where)
+
+
+def _reply(row, field, where):
+    """A string, or an assistant message (alone, or as a one-element list): its content."""
+    value = row[field]
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, dict) and value.get("role", "assistant") == "assistant":
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {field!r} must be a string or one {{\"role\": \"assistant\", "
+                        f"\"content\": string}} message, got {json.dumps(row[field])[:60]}")
+    return value
+
+
+def _render_fields(parts, row, where):
+    """A row as (text, loss) segments, by a parsed --data.fields template: its pieces in order,
+    one newline between neighbours except next to a special token; an empty field adds nothing."""
+    pieces = []  # (text, loss, is_special)
+    for loss, part in parts:
+        for kind, value in part:
+            text = _field_text(row, value, where) if kind == "field" else value
+            if text:
+                pieces.append((text, loss, kind == "special"))
+    if not any(loss for _, loss, _ in pieces):
+        raise DataError(f"{where}: the unbracketed (loss) parts of --data.fields are all empty in this "
+                        "row, so it has nothing to learn")
+    segments = []
+    for prev, cur in zip([None] + pieces, pieces):
+        if prev is not None and not (prev[2] or cur[2]):
+            segments.append(("\n", prev[1] and cur[1]))  # between prompt and reply: prompt
+        segments.append(cur[:2])
+    return segments
+
+
+def _field_text(row, field, where):
+    if field not in row:
+        raise DataError(f"{where}: no field {field!r}, which --data.fields names (the row's fields: "
+                        f"{', '.join(map(str, row)) or 'none'})")
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {_json_type(value)}, not a string; --data.fields "
+                        "reads string fields only")
+    return value
+
+
+def _check_specials(parts, tokenizer: Tokenizer):
+    """Every <special> piece of a --data.fields template is one of the tokenizer's."""
+    for _, part in parts:
+        for kind, value in part:
+            if kind == "special" and value not in tokenizer.specials:
+                known = list(tokenizer.specials)
+                known = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+                raise ConfigError(f"--data.fields: {value} is not a special token of the tokenizer "
+                                  f"{tokenizer.name} (its special tokens: {known or 'none'}); write "
+                                  "plain text as a \"literal\"")
+
+
+class _BadRows:
+    """Rows that fail their checks: the first one is the error, or, with
+    --data.skip_bad_rows, each is skipped and counted."""
+
+    def __init__(self, skip: bool):
+        self.skip, self.rows, self.bad, self.first = skip, 0, 0, ""
+
+    def filter(self, rows, check):
+        """(where, check(where, row)) for the good rows; check raises DataError on a bad one."""
+        for where, row in rows:
+            self.rows += 1
+            try:
+                if isinstance(row, DataError):  # a line that is not a JSON object
+                    raise row
+                value = check(where, row)
+            except DataError as e:
+                if not self.skip:
+                    raise
+                self.bad, self.first = self.bad + 1, self.first or str(e)
+                continue
+            yield where, value
+        if self.bad and self.bad == self.rows:
+            raise DataError(f"all {self.rows:,} rows are bad (first: {self.first})")
+
+    def notes(self) -> list[str]:
+        return [f"data: skipped {self.bad:,} bad rows of {self.rows:,} (first: {self.first})"] if self.bad else []
+
+
+# ------------------------------------------------------------------ documents of a row
+
+def _shortenings(messages):
+    """The conversation with its earliest exchanges (a user turn and the replies up to the
+    next user turn) dropped one by one, longest first; a leading system turn stays."""
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    rest = messages[len(head):]
+    for i in range(1, len(rest)):
+        if rest[i]["role"] == "user":
+            yield head + rest[i:]
+
+
+def _fit(encode, messages, shorter, row_len):
+    """(documents, outcome): encode(messages) if every document fits in a row (outcome None),
+    else that of the first of `shorter` that fits ("truncated"), else none ("dropped")."""
+    docs = encode(messages)
+    if all(len(ids) <= row_len for ids, _ in docs):
+        return docs, None
+    for candidate in shorter:
+        docs = encode(candidate)
+        if all(len(ids) <= row_len for ids, _ in docs):
+            return docs, "truncated"
+    return [], "dropped"
+
+
+def _encode_chat(tokenizer, messages, where, last_only=False):
+    try:
+        return tokenizer.encode_chat(messages, last_only)
+    except Exception as e:  # noqa: BLE001 -- e.g. a template that rejects the role order
+        raise DataError(f"{where}: cannot apply the chat template: {one_line(e)}") from None
+
+
+def _row_encoder(cfg: DataConfig, tokenizer: Tokenizer, row_len: int):
+    """(where, row) -> (documents, outcome) for a chat, fields or preference row: documents
+    are (ids, mask) pairs that each fit in a row; outcome (see _fit) says whether it was long."""
+    truncate = cfg.long == "truncate"
+    if cfg.format == "chat":
+        def encode(where, row):
+            messages = _conversation(row, where, cfg.messages_field)
+            shorter = itertools.takewhile(_has_assistant, _shortenings(messages)) if truncate else ()
+            return _fit(lambda m: [_encode_chat(tokenizer, m, where)], messages, shorter, row_len)
+    elif cfg.format == "preference":
+        def encode(where, row):
+            prompt, chosen, rejected = _pair(row, where)
+
+            def both(p):  # the pair's two sequences, loss on the reply alone
+                return [_encode_chat(tokenizer, p + [{"role": "assistant", "content": reply}], where, True)
+                        for reply in (chosen, rejected)]
+            return _fit(both, prompt, _shortenings(prompt) if truncate else (), row_len)
+    else:
+        parts = parse_fields(cfg.fields)
+
+        def encode(where, row):
+            doc = tokenizer.encode_fields(_render_fields(parts, row, where))
+            return _fit(lambda _: [doc], None, (), row_len)  # a fields row is never truncated
+    return encode
+
+
+class _LongRows:
+    """Counts the documents longer than a row, and says what became of them."""
+
+    def __init__(self, cfg: DataConfig, seq_len: int):
+        self.cfg, self.seq_len = cfg, seq_len
+        self.rows = self.long = self.dropped = 0
+
+    def count(self, outcome):
+        self.rows += 1
+        self.long += outcome is not None
+        self.dropped += outcome == "dropped"
+
+    def notes(self) -> list[str]:
+        if not self.long:
+            return []
+        noun = {"chat": "conversations", "fields": "rows", "preference": "pairs"}[self.cfg.format]
+        head = f"data: {self.long:,} of {self.rows:,} {noun} were longer than seq_len={self.seq_len}; "
+        if self.cfg.format == "fields":
+            return [head + "dropped (a fields row is never truncated)"]
+        if self.cfg.long == "drop":
+            return [head + "dropped (--data.long=drop)"]
+        return [head + "truncated (--data.long=truncate)" + (
+            f", {self.dropped:,} of them dropped: even the last exchange does not fit" if self.dropped else "")]
 
 
 # ------------------------------------------------------------------ tokenization + cache
 
-def _tokenize(records, tokenizer: Tokenizer, fmt: str):
-    """Every record becomes one document, as the tokenizer's rules say (tokenizer.py): the
-    text as `tokenizer(text)` encodes it, then EOS; a chat through its chat template.
-    Returns (tokens uint32, offsets int64 [n_docs+1], mask uint8 or None)."""
-    docs, masks = [], []
-    if fmt == "chat":
-        for where, messages in records:
-            try:
-                ids, mask = tokenizer.encode_chat(messages)
-            except Exception as e:  # noqa: BLE001 -- e.g. a template that rejects the role order
-                raise DataError(f"{where}: cannot apply the chat template: {one_line(e)}") from None
-            docs.append(np.asarray(ids, np.uint32))
-            masks.append(np.asarray(mask, np.uint8))
+def _tokenize(rows, tokenizer: Tokenizer, cfg: DataConfig, seq_len: int):
+    """Every good row becomes its documents, as the tokenizer's rules say (tokenizer.py).
+    Returns (tokens uint32, offsets int64 [n_docs+1], mask uint8 or None for text, notes:
+    the warnings to show on every run)."""
+    bad = _BadRows(cfg.skip_bad_rows)
+    docs = []
+    if cfg.format == "text":
+        texts = (text for _, text in bad.filter(rows, lambda where, row: _text(row, where, cfg.text_field)))
+        while batch := list(itertools.islice(texts, 1024)):  # batches let HF use its threads
+            docs += [(ids, None) for ids in tokenizer.encode_documents(batch)]
+        notes = bad.notes()
     else:
-        records = iter(records)
-        while texts := [text for _, text in itertools.islice(records, 1024)]:  # batches let HF use its threads
-            docs += [np.asarray(ids, np.uint32) for ids in tokenizer.encode_documents(texts)]
+        long = _LongRows(cfg, seq_len)
+        for _, (row_docs, outcome) in bad.filter(rows, _row_encoder(cfg, tokenizer, seq_len + 1)):
+            long.count(outcome)
+            docs += row_docs
+        if long.rows and long.dropped == long.rows:
+            raise DataError(f"--seq_len={seq_len}: {long.notes()[0][len('data: '):]}, so none is left; "
+                            "raise --seq_len")
+        notes = bad.notes() + long.notes()
     offsets = np.zeros(len(docs) + 1, np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint32)
-    return tokens, offsets, (np.concatenate(masks) if masks else None)
+    np.cumsum([len(ids) for ids, _ in docs], out=offsets[1:])
+    tokens = np.concatenate([np.asarray(ids, np.uint32) for ids, _ in docs]) if docs else np.zeros(0, np.uint32)
+    mask = None
+    if cfg.format != "text":
+        mask = np.concatenate([np.asarray(m, np.uint8) for _, m in docs]) if docs else np.zeros(0, np.uint8)
+    return tokens, offsets, mask, notes
 
 
-def _cached_tokenize(cfg: DataConfig, tokenizer):
-    """Tokenize the source once; later runs load the .npz from the cache (local or gs://)."""
+def _cached_tokenize(cfg: DataConfig, tokenizer, seq_len):
+    """Tokenize the source once; later runs load the .npz from the cache (local or gs://).
+    The warnings of the first run (bad rows, long conversations) are shown again."""
     fmt = cfg.format
-    source_key, records = _resolve_source(cfg)
-    key = json.dumps([CACHE_VERSION, source_key, tokenizer.fingerprint(), fmt,
-                      cfg.text_field, cfg.messages_field])
+    source_key, rows = _resolve_source(cfg)
+    # Non-text documents depend on seq_len: long ones are shortened or dropped.
+    how = [cfg.text_field] if fmt == "text" else [cfg.messages_field, cfg.fields, cfg.long, seq_len]
+    key = json.dumps([CACHE_VERSION, source_key, tokenizer.fingerprint(), fmt, cfg.skip_bad_rows, *how])
     cache_dir = cfg.cache_dir or os.path.expanduser("~/.cache/meshlm/tokens")
     fs, root = fsspec.core.url_to_fs(cache_dir)
     file = f"{root.rstrip('/')}/{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
     if fs.exists(file):
         with fs.open(file, "rb") as f:
             z = np.load(io.BytesIO(f.read()))
-        log.info("data: %d documents (%d tokens) from the cache %s", len(z["offsets"]) - 1, len(z["tokens"]), file)
-        return z["tokens"], z["offsets"], (z["mask"] if "mask" in z.files else None)
-    tokens, offsets, mask = _tokenize(records(), tokenizer, fmt)
-    arrays = dict(tokens=tokens, offsets=offsets) | ({"mask": mask} if mask is not None else {})
-    fs.makedirs(root, exist_ok=True)
-    tmp = f"{file}.tmp-{os.getpid()}"  # write then rename: a killed run never leaves half a cache
-    with fs.open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    fs.mv(tmp, file)
-    log.info("data: tokenized %d documents (%d tokens); cached at %s", len(offsets) - 1, len(tokens), file)
+        tokens, offsets, notes = z["tokens"], z["offsets"], [str(n) for n in z["notes"]]
+        mask = z["mask"] if "mask" in z.files else None
+        log.info("data: %d documents (%d tokens) from the cache %s", len(offsets) - 1, len(tokens), file)
+    else:
+        tokens, offsets, mask, notes = _tokenize(rows(), tokenizer, cfg, seq_len)
+        arrays = dict(tokens=tokens, offsets=offsets, notes=np.array(notes, dtype=str))
+        arrays |= {"mask": mask} if mask is not None else {}
+        fs.makedirs(root, exist_ok=True)
+        tmp = f"{file}.tmp-{os.getpid()}"  # write then rename: a killed run never leaves half a cache
+        with fs.open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        fs.mv(tmp, file)
+        log.info("data: tokenized %d documents (%d tokens); cached at %s", len(offsets) - 1, len(tokens), file)
+    for note in notes:
+        log.warning(note)
     return tokens, offsets, mask
 
 
@@ -235,21 +504,43 @@ def _stream_rows(tokens, row_len, pad_id, keep_tail):
     return rows.reshape(n, row_len), rmask.reshape(n, row_len)
 
 
-def _whole_rows(tokens, offsets, mask, row_len, pad_id):
-    """Conversations placed whole into rows (greedy, in order), padding the rest; a
-    conversation longer than a row is truncated to one row."""
-    placements, row, col = [], 0, 0
-    for d in range(len(offsets) - 1):
-        length = min(int(offsets[d + 1] - offsets[d]), row_len)
+def _pieces(offsets, row_len):
+    """(start, length) of each document; one longer than a row (text) cut into row-sized pieces."""
+    return [(s, min(row_len, int(b) - s)) for a, b in zip(offsets[:-1], offsets[1:])
+            for s in range(int(a), int(b), row_len)]
+
+
+def _isolated_rows(tokens, offsets, mask, row_len, pad_id):
+    """Documents placed whole into rows (greedy, in order), each its own segment: segment
+    ids 1, 2, ... within a row, 0 on padding. Returns (rows, row_mask, segments). A segment's
+    first token is no target: nothing before it in its segment predicts it."""
+    placements, row, col, seg = [], 0, 0, 0
+    for start, length in _pieces(offsets, row_len):
         if col + length > row_len:
-            row, col = row + 1, 0
-        placements.append((d, row, col, length))
+            row, col, seg = row + 1, 0, 0
+        seg += 1
+        placements.append((start, length, row, col, seg))
         col += length
     n = row + 1 if placements else 0
-    rows, rmask = np.full((n, row_len), pad_id, np.uint32), np.zeros((n, row_len), np.uint8)
-    for d, r, c, length in placements:
-        rows[r, c:c + length] = tokens[offsets[d]:offsets[d] + length]
-        rmask[r, c:c + length] = mask[offsets[d]:offsets[d] + length]
+    rows = np.full((n, row_len), pad_id, np.uint32)
+    rmask, segments = np.zeros((n, row_len), np.uint8), np.zeros((n, row_len), np.int32)
+    for start, length, r, c, s in placements:
+        rows[r, c:c + length] = tokens[start:start + length]
+        rmask[r, c:c + length] = 1 if mask is None else mask[start:start + length]
+        rmask[r, c] = 0
+        segments[r, c:c + length] = s
+    return rows, rmask, segments
+
+
+def _pair_rows(tokens, offsets, mask, row_len, pad_id):
+    """Preference pairs (documents 2i chosen, 2i+1 rejected) as rows [n, 2, row_len], padded."""
+    n = (len(offsets) - 1) // 2
+    rows = np.full((n, 2, row_len), pad_id, np.uint32)
+    rmask = np.zeros((n, 2, row_len), np.uint8)
+    for d in range(2 * n):
+        a, b = offsets[d], offsets[d + 1]
+        rows[d // 2, d % 2, :b - a] = tokens[a:b]
+        rmask[d // 2, d % 2, :b - a] = mask[a:b]
     return rows, rmask
 
 
@@ -281,13 +572,24 @@ def _permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
+def _positions(segments):
+    """Each token's index within its segment (0 on padding), for segments [B, T]."""
+    idx = np.broadcast_to(np.arange(segments.shape[1]), segments.shape)
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+    return np.where(segments > 0, idx - first, 0).astype(np.int32)
+
+
 class Dataset:
     """Packed rows of one split, in memory. Each row holds seq_len+1 tokens so that
-    inputs = row[:-1] and targets = row[1:]; row_mask[t] says whether token t is a target."""
+    inputs = row[:-1] and targets = row[1:]; row_mask[t] says whether token t is a target;
+    segments (isolated packing) holds each token's segment id. A preference row is
+    [2, seq_len+1]: chosen, then rejected."""
 
-    def __init__(self, rows: np.ndarray, row_mask: np.ndarray, pad_id: int):
-        self.rows, self.row_mask, self.pad_id = rows, row_mask, pad_id
-        self.num_rows, self.seq_len = rows.shape[0], rows.shape[1] - 1
+    def __init__(self, rows: np.ndarray, row_mask: np.ndarray, pad_id: int, segments: np.ndarray | None = None):
+        self.rows, self.row_mask, self.pad_id, self.segments = rows, row_mask, pad_id, segments
+        self.num_rows, self.seq_len = rows.shape[0], rows.shape[-1] - 1
 
     def row_ids(self, step: int, batch_size: int, seed: int, rows: slice | None = None) -> np.ndarray:
         """Dataset rows for global batch positions `rows` of `step`, over endless epochs."""
@@ -301,8 +603,12 @@ class Dataset:
 
     def _make(self, ids) -> dict[str, np.ndarray]:
         tok, mask = self.rows[ids], self.row_mask[ids]
-        return {"inputs": tok[:, :-1].astype(np.int32), "targets": tok[:, 1:].astype(np.int32),
-                "loss_mask": mask[:, 1:].astype(np.float32)}
+        batch = {"inputs": tok[..., :-1].astype(np.int32), "targets": tok[..., 1:].astype(np.int32),
+                 "loss_mask": mask[..., 1:].astype(np.float32)}
+        if self.segments is not None:
+            segments = self.segments[ids][:, :-1]
+            batch |= {"segment_ids": segments, "positions": _positions(segments)}
+        return batch
 
     def batch(self, step: int, batch_size: int, seed: int, rows: slice | None = None) -> dict[str, np.ndarray]:
         """The batch for global step `step` (a pure function of data, seed, step); with
@@ -312,36 +618,42 @@ class Dataset:
         return self._make(self.row_ids(step, batch_size, seed, rows))
 
     def eval_batches(self, batch_size: int):
-        """All rows in order; the last batch is padded with loss_mask=0 rows."""
+        """All rows in order; the last batch is padded with rows of pad tokens, loss_mask 0,
+        segment 0 and position 0."""
+        fill = {"inputs": self.pad_id, "targets": self.pad_id}
         for start in range(0, self.num_rows, batch_size):
             ids = np.arange(start, min(start + batch_size, self.num_rows))
             b = self._make(ids)
             if len(ids) < batch_size:
                 pad = batch_size - len(ids)
-                b = {k: np.concatenate([v, np.full((pad, self.seq_len), self.pad_id if k != "loss_mask" else 0,
-                                                   v.dtype)]) for k, v in b.items()}
+                b = {k: np.concatenate([v, np.full((pad, *v.shape[1:]), fill.get(k, 0), v.dtype)])
+                     for k, v in b.items()}
             yield b
 
 
 def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
     """(train, validation) for the source in cfg (see the module docstring)."""
-    fmt, spec = cfg.format, cfg.path
-    val_fraction = cfg.val_fraction
-    tokens, offsets, mask = _cached_tokenize(cfg, tokenizer)
-    n_docs, row_len = len(offsets) - 1, seq_len + 1
+    spec, row_len, pad_id = cfg.path, seq_len + 1, tokenizer.pad_id
+    if cfg.format == "fields":
+        _check_specials(parse_fields(cfg.fields), tokenizer)
+    tokens, offsets, mask = _cached_tokenize(cfg, tokenizer, seq_len)
+    per_doc = 2 if cfg.format == "preference" else 1  # a pair's two documents stay together
+    n_docs = (len(offsets) - 1) // per_doc
     if n_docs == 0:
         raise DataError(f"--data.path: no documents found in {spec}")
-    is_val = _validation_docs(n_docs, val_fraction)
+    is_val = np.repeat(_validation_docs(n_docs, cfg.val_fraction), per_doc)
     train, val = _select_docs(tokens, offsets, mask, ~is_val), _select_docs(tokens, offsets, mask, is_val)
-    if fmt == "chat":
-        train_rows = _whole_rows(*train, row_len, tokenizer.pad_id)
-        val_rows = _whole_rows(*val, row_len, tokenizer.pad_id)
-        if not train_rows[1].any():
-            raise DataError(f"--data.path: {spec} has no assistant tokens in the training split; nothing to learn")
+    if cfg.format == "preference":
+        train_ds, val_ds = (Dataset(*_pair_rows(*split, row_len, pad_id), pad_id) for split in (train, val))
+    elif cfg.isolated:
+        train_ds, val_ds = (Dataset(rows, rmask, pad_id, segments) for rows, rmask, segments in
+                            (_isolated_rows(*split, row_len, pad_id) for split in (train, val)))
     else:
         if len(train[0]) < row_len:
             raise DataError(f"--data.path: the training split of {spec} has {len(train[0])} tokens, but one row "
                             f"needs at least seq_len+1 = {row_len}; use a smaller --seq_len or more data")
-        train_rows = _stream_rows(train[0], row_len, tokenizer.pad_id, keep_tail=False)
-        val_rows = _stream_rows(val[0], row_len, tokenizer.pad_id, keep_tail=True)  # every held-out token counts
-    return Dataset(*train_rows, tokenizer.pad_id), Dataset(*val_rows, tokenizer.pad_id)
+        train_ds = Dataset(*_stream_rows(train[0], row_len, pad_id, keep_tail=False), pad_id)
+        val_ds = Dataset(*_stream_rows(val[0], row_len, pad_id, keep_tail=True), pad_id)  # every held-out token counts
+    if not train_ds.row_mask.any():
+        raise DataError(f"--data.path: the training split of {spec} has no tokens to learn (every loss mask is 0)")
+    return train_ds, val_ds

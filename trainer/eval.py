@@ -25,9 +25,12 @@ class EvalFlags:
     checkpoint: str = flag("", "meshlm checkpoint (run dir, checkpoints/ or checkpoints/<step>) "
                            "or HF dir")
     data: str = flag("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)")
-    format: DataFormat = flag("text", "text, or chat (loss on assistant turns only)")
+    format: DataFormat = flag("text", "text | chat (loss on assistant turns only) | fields "
+                              "(see --fields); preference data is not scored here")
     text_field: str = flag("text", "JSONL / dataset field holding the text")
     messages_field: str = flag("messages", "JSONL / dataset field holding chat messages")
+    fields: str = flag("", "with --format=fields, the template (as the train command's "
+                       "--data.fields), e.g. '[instruction+input],output'")
     split: str = flag("train", "HF dataset split")
     cache_dir: str = flag("", "tokenization cache (empty: ~/.cache/meshlm/tokens)")
     tokenizer: str = flag("", "override the checkpoint's tokenizer")
@@ -53,13 +56,16 @@ def main(argv=None):
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
     cfg = parse_or_exit("trainer.eval", EvalFlags, argv)
     try:
+        if cfg.format == "preference":
+            raise ConfigError("--format=preference: trainer.eval scores text, chat or fields "
+                              "data; score a preference set's chosen replies as chat data")
         model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
         if cfg.seq_len > model.cfg.max_position_embeddings:
             raise ConfigError(f"--seq_len={cfg.seq_len} is longer than the model's "
                               f"max_position_embeddings={model.cfg.max_position_embeddings}")
         data_cfg = DataConfig(path=cfg.data, format=cfg.format, text_field=cfg.text_field,
-                              messages_field=cfg.messages_field, split=cfg.split,
-                              val_fraction=0.0, cache_dir=cfg.cache_dir)
+                              messages_field=cfg.messages_field, fields=cfg.fields,
+                              split=cfg.split, val_fraction=0.0, cache_dir=cfg.cache_dir)
         dataset, _ = data.load_dataset(data_cfg, tokenizer, cfg.seq_len)
         model = model.clone(loss_chunk=loss_chunk_for(cfg.batch_size, cfg.seq_len,
                                                       model.cfg.vocab_size))

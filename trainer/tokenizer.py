@@ -7,7 +7,9 @@ The rule, kept here and nowhere else:
   - a document then ends with EOS, which separates packed documents;
   - a chat encodes as `apply_chat_template`: the tokenizer's own template, or
     BUILTIN_CHAT_TEMPLATE for tokenizers that bring none. The loss mask of a chat is 1
-    exactly on the characters of each assistant turn (its closing token included).
+    exactly on the characters of each assistant turn (its closing token included);
+  - a fields row (--data.fields) encodes as its rendered text would by `tokenizer(text)`
+    (the same specials around it), then EOS; special-token text becomes its id.
 """
 
 import hashlib
@@ -20,6 +22,7 @@ import fsspec
 
 from trainer import storage
 from trainer.errors import UserError, one_line
+from trainer.flags import ConfigError
 
 
 class TokenizerError(UserError):
@@ -87,15 +90,15 @@ class Tokenizer:
         """Prompt ids for generation and serving: the conversation, then the assistant header."""
         return self._encode_spans(self.render_chat(messages, add_generation_prompt), [])[0]
 
-    def encode_chat(self, messages):
-        """(ids, mask) of a whole conversation; mask is 1 on the assistant turns."""
+    def encode_chat(self, messages, last_only=False):
+        """(ids, mask) of a whole conversation; mask is 1 on the assistant turns (with
+        last_only, on the last one: a preference pair's response)."""
         # An assistant turn is the text between the prompt rendered up to it (with the
         # generation header) and the conversation rendered through it.
         full = self.render_chat(messages)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        for i in turns[-1:] if last_only else turns:
             start = self.render_chat(messages[:i], True)
             through = self.render_chat(messages[: i + 1])
             if not (full.startswith(start) and full.startswith(through)):
@@ -104,6 +107,32 @@ class Tokenizer:
             # The turn's own text, its end token included, without trailing newlines.
             spans.append((len(start), len(start) + len(through[len(start):].rstrip())))
         return self._encode_spans(full, spans)
+
+    # --------------------------------------------------------------- fields
+    def encode_fields(self, segments):
+        """(ids, mask) of a rendered fields row: `segments` are (text, loss) in order. The
+        text gets the specials `encode_text` puts around a text and then EOS (as a document);
+        those after it carry the loss of the last segment, those before it none."""
+        text, spans, at = "", [], 0
+        for piece, loss in segments:
+            if loss and spans and spans[-1][1] == at:
+                spans[-1] = (spans[-1][0], at + len(piece))  # one span: fewer cuts
+            elif loss:
+                spans.append((at, at + len(piece)))
+            text, at = text + piece, at + len(piece)
+        ids, mask = self._encode_spans(text, spans)
+        before, after = self._added_around()
+        last = int(segments[-1][1])
+        ids, mask = before + ids + after, [0] * len(before) + mask + [last] * len(after)
+        if ids[-1:] != [self.eos_id]:
+            ids, mask = ids + [self.eos_id], mask + [last]
+        return ids, mask
+
+    def _added_around(self):
+        """The ids `encode_text` puts before and after a text's own tokens."""
+        own, full = self.encode("a"), self.encode_text("a")
+        i = next(i for i in range(len(full) - len(own) + 1) if full[i:i + len(own)] == own)
+        return full[:i], full[i + len(own):]
 
     def _encode_spans(self, text, spans):
         """(ids, mask) of rendered text, mask 1 inside spans. Pieces are encoded one by one,
@@ -203,6 +232,8 @@ class HFTokenizer(Tokenizer):
         self.name, self.vocab_size = spec, len(tok)  # len() counts added tokens too
         self.bos_id, self.eos_id = tok.bos_token_id, tok.eos_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # Added tokens are matched as written wherever they appear in a text.
+        self.specials = dict(tok.get_added_vocab())
         self.chat_template = tok.chat_template or BUILTIN_CHAT_TEMPLATE
 
     def encode(self, text):
@@ -233,6 +264,83 @@ class HFTokenizer(Tokenizer):
         mask = [int(e > s and any(a <= s and e <= b for a, b in spans))
                 for s, e in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
+
+
+# ------------------------------------------------------------------- fields templates
+
+_FIELDS_TOKEN = re.compile(r'\s*(?:(?P<text>"(?:[^"\\]|\\.)*")|(?P<special><[^\s<>",+\[\]]+>)'
+                           r'|(?P<field>[^\s\[\],+"<>]+)|(?P<op>[\[\],+])|(?P<bad>\S))')
+
+
+def parse_fields(template: str):
+    """--data.fields: how a JSON row becomes one training text.
+
+    A template is comma-separated parts, concatenated in order. A part in square brackets,
+    `[...]`, is prompt (no loss); any other part carries loss. Inside a part, pieces are
+    joined with `+`. A piece is
+      - a field name of the row (its value must be a string),
+      - a double-quoted literal with JSON escapes, e.g. "### Response:",
+      - a special token written as-is, e.g. <|im_start|>: one of the tokenizer's specials.
+    Neighbouring pieces, within a part and across parts, are separated by one newline,
+    except that a field whose value is empty adds nothing (no newline either), and nothing
+    is put next to a special token. So '[instruction+input],output' on {"instruction":
+    "Give a tip.", "input": "", "output": "Sleep."} renders "Give a tip.\nSleep.", with
+    loss on "Sleep." (and on the EOS that ends the document).
+
+    Returns ((loss, ((kind, value), ...)), ...), kind one of field | text | special (a
+    literal's value is its decoded text). A bad template is a ConfigError naming the flag.
+    """
+    def fail(what):
+        raise ConfigError(f"--data.fields={template!r}: {what}; e.g. '[instruction+input],output'")
+
+    tokens, pos, text = [], 0, template.rstrip()
+    while pos < len(text):
+        m = _FIELDS_TOKEN.match(text, pos)
+        kind, value, pos = m.lastgroup, m.group(m.lastgroup), m.end()
+        if kind == "bad":
+            fail('a "literal" is not closed' if value == '"' else f"cannot read {value!r} at "
+                 f"column {pos}: pieces are field names, \"literals\" or <special> tokens")
+        if kind == "text":
+            try:
+                value = json.loads(value, strict=False)  # a raw newline is fine too
+            except json.JSONDecodeError as e:
+                fail(f"the literal {value} is not a JSON string ({e.msg})")
+        tokens.append((kind, value))
+
+    def at(i):
+        return tokens[i] if i < len(tokens) else ("end", "")
+
+    parts, i = [], 0
+    while True:
+        prompt = at(i) == ("op", "[")
+        i += prompt
+        pieces = []
+        while True:  # piece (+ piece)*
+            kind, value = at(i)
+            if kind == "op" and value == "[":
+                fail("unbalanced [ ] (brackets do not nest)")
+            if kind in ("op", "end"):
+                fail("a + with nothing after it" if pieces else "an empty part")
+            pieces.append((kind, value))
+            i += 1
+            if at(i) != ("op", "+"):
+                break
+            i += 1
+        if prompt:
+            if at(i) != ("op", "]"):
+                fail("unbalanced [ ]")
+            i += 1
+        parts.append((not prompt, tuple(pieces)))
+        if at(i)[0] == "end":
+            break
+        if at(i) != ("op", ","):
+            fail("unbalanced [ ]" if at(i)[1] in "[]" else
+                 f"{at(i)[1]!r} follows a piece: join pieces with + and parts with ,")
+        i += 1
+    if not any(loss for loss, _ in parts):
+        fail("every part is a [prompt] part, so nothing would be learned; leave the response "
+             "part unbracketed")
+    return tuple(parts)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
