@@ -502,6 +502,25 @@ def test_long_preference_pairs(tmp_path, caplog):
     assert train.rows[0, 0][train.rows[0, 0] != tok.pad_id].tolist() == tok.encode_chat(shortened)[0]
 
 
+def test_hf_dataset_rows_for_fields_and_preference(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    tok = load_tokenizer("bytes")
+    datasets.Dataset.from_list(ALPACA * 3).save_to_disk(str(tmp_path / "alpaca"))
+    with pytest.raises(data.DataError, match=r"^--data.fields: dataset .*alpaca has no column 'question' "
+                                             r"\(columns: instruction, input, output\)$"):
+        data.load_dataset(cfg(tmp_path, path=str(tmp_path / "alpaca"), format="fields", fields="[question],output"),
+                          tok, 128)
+    train, _ = data.load_dataset(cfg(tmp_path, path=str(tmp_path / "alpaca"), format="fields",
+                                     fields="[instruction+input],output"), tok, 128)
+    assert train.segments.max(axis=1).sum() == 6
+    assert tok.decode(train.rows[0][train.segments[0] == 1]) == "Give a tip.\nSleep."
+    pairs = [{"prompt": f"Q{i}?", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(4)]
+    datasets.Dataset.from_list(pairs).save_to_disk(str(tmp_path / "pairs"))
+    train, _ = data.load_dataset(cfg(tmp_path, path=str(tmp_path / "pairs"), format="preference"), tok, 64)
+    assert [tok.decode(r[0]).endswith(f"good {i}") and tok.decode(r[1]).endswith(f"bad {i}")
+            for i, r in enumerate(train.rows)] == [True] * 4
+
+
 # ------------------------------------------------------------------------------- end to end
 
 def test_train_cli_on_fields_data(tmp_path, cli):
