@@ -124,6 +124,22 @@ def test_packed_rows_equal_their_documents_run_alone():
         np.testing.assert_allclose(packed[:, start:start + len(d)], alone, atol=1e-5)
         start += len(d)
 
+    # Gradients too: the packed row's summed loss is the sum of the documents' own.
+    def loss(p, inputs, targets, **row):
+        return model.apply({"params": p}, inputs[None], targets=targets[None],
+                           loss_mask=jnp.ones((1, len(inputs))), **row)[0]
+    joined = lambda parts: jnp.asarray(np.concatenate(parts))[None]  # noqa: E731
+    packed_grads = jax.grad(loss)(params, joined([d[:-1] for d in docs])[0],
+                                  joined([d[1:] for d in docs])[0],
+                                  positions=joined([np.arange(len(d) - 1) for d in docs]),
+                                  segment_ids=joined([np.full(len(d) - 1, i)
+                                                      for i, d in enumerate(docs)]))
+    alone_grads = [jax.grad(loss)(params, jnp.asarray(d[:-1]), jnp.asarray(d[1:]))
+                   for d in docs]
+    summed = jax.tree.map(lambda *g: sum(g), *alone_grads)
+    for a, b in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(summed)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
 
 # ------------------------------------------------------------------ chunked loss
 def test_chunked_loss_equals_the_full_one_and_so_do_its_gradients():
