@@ -46,6 +46,12 @@ from trainer.flags import ConfigError
 from trainer.tokenizer import Tokenizer, parse_fields
 
 log = logging.getLogger(__name__)
+# Warnings (long conversations, skipped rows) print as bare lines on stderr, whatever
+# handlers other libraries put on the root logger.
+_handler = logging.StreamHandler()
+_handler.setFormatter(logging.Formatter("%(message)s"))
+log.addHandler(_handler)
+log.propagate = False
 
 CACHE_VERSION = 3          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines

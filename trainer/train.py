@@ -481,10 +481,12 @@ def restore_or_init(cfg, trainer, mngr, log):
                 f"{cfg.output_dir} holds a checkpoint trained with --{name}={there}, not "
                 f"{mine}; use another --output_dir, or --resume=never --overwrite")
     if start >= cfg.steps:
-        log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
-            "nothing to do. Raise --steps to train on.")
-        mngr.close()
-        return None, start
+        if not missing_exports(cfg):
+            log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
+                "nothing to do. Raise --steps to train on.")
+            mngr.close()
+            return None, start
+        log(f"{cfg.output_dir} is already trained to step {start}; exporting it")
     log(f"resuming from step {start} of {cfg.output_dir}")
     return checkpoint.restore(mngr, start, trainer.abstract_state), start
 
@@ -653,6 +655,14 @@ class SavePolicy:
 
     def save(self, step, state):
         checkpoint.save(self.mngr, step, state, self.meta)
+
+
+def missing_exports(cfg):
+    """A finished run stopped before its export (a spot VM taken away) still owes one."""
+    from trainer import hf
+    return ((cfg.export_hf and not hf.is_hf_dir(cfg.export_hf))
+            or (cfg.export_peft and not storage.exists(
+                cfg.export_peft.rstrip("/") + "/adapter_config.json")))
 
 
 def export_at_end(cfg, state, log):
