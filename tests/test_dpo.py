@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 from test_sharding import build
 from trainer import dpo, lora
+from trainer.model import build_model
 
 T = 32  # tokens per sequence
 PROMPT = 12  # the prompt's tokens; the rest of each sequence is the response
@@ -77,7 +78,7 @@ def test_dpo_starts_at_log2_then_matches_numpy_and_prefers_the_chosen(flags):
         assert float(sums[name] / pairs) == pytest.approx(expected[name], rel=1e-4, abs=1e-5), name
     if cfg.lora.rank:  # the reference really is the base: the adapters are off
         base = lora.without_adapters(state["params"])
-        plain = __import__("trainer.model", fromlist=["build_model"]).build_model(cfg.model)
+        plain = build_model(cfg.model)
         np.testing.assert_array_equal(
             trainer.model.apply({"params": reference}, batch["inputs"][:, 0]),
             plain.apply({"params": base}, batch["inputs"][:, 0]))

@@ -445,7 +445,7 @@ def peft_modules(model_cfg: ModelConfig, targets):
     for t in families.weight_map(model_cfg):
         hits = [p for p in t.params if p.endswith("/kernel") and re.search(targets, p)]
         if hits and len(t.params) > 1:
-            raise HFError(f"--export_peft: {t.hf} is fused from {len(t.params)} meshlm "
+            raise HFError(f"{t.hf} is fused from {len(t.params)} meshlm "
                           "kernels, which a PEFT adapter can't express; leave it out of "
                           "--lora.targets, or use --export_hf (the merged model)")
         if hits:

@@ -188,17 +188,19 @@ def resolve_config(argv):
                                 cfg.model.head_dim)
     if why:
         raise ConfigError(f"--attention={cfg.attention}: {why}; use --attention=auto")
-    if cfg.export_hf or cfg.export_peft:  # fail now, not after training
-        from trainer import hf
-        try:
-            if cfg.export_hf:
-                hf.check_export_dir(cfg.export_hf)
-                hf.hf_config(cfg.model, "float32")
-            if cfg.export_peft:
-                hf.check_export_dir(cfg.export_peft, peft=True)
-                hf.peft_modules(cfg.model, cfg.lora.targets)
-        except hf.HFError as e:
-            raise ConfigError(f"--export_{'hf' if cfg.export_hf else 'peft'}: {e}") from None
+    from trainer import hf
+    try:  # fail now, not after training
+        if cfg.export_hf:
+            hf.check_export_dir(cfg.export_hf)
+            hf.hf_config(cfg.model, "float32")
+    except hf.HFError as e:
+        raise ConfigError(f"--export_hf: {e}") from None
+    try:
+        if cfg.export_peft:
+            hf.check_export_dir(cfg.export_peft, peft=True)
+            hf.peft_modules(cfg.model, cfg.lora.targets)
+    except hf.HFError as e:
+        raise ConfigError(f"--export_peft: {e}") from None
     return cfg
 
 
