@@ -136,9 +136,23 @@ def test_merged_and_peft_exports_give_the_adapted_logits(family, lora_flags, tex
     np.testing.assert_allclose(torch_logits(with_adapter, tokens), ours, atol=1e-4)
     config = json.load(open(f"{tmp_path}/adapter/adapter_config.json"))
     assert config["base_model_name_or_path"] == base_dir and config["r"] == settings.rank
-    # eval and generate read a LoRA checkpoint with its adapters merged in.
+    # eval, generate, convert and --init_from read a LoRA checkpoint with its adapters
+    # merged in.
     model, merged_params, _ = loading.load_model(run)
     np.testing.assert_allclose(model.apply({"params": merged_params}, tokens), ours, atol=1e-4)
+    run_cli("convert", f"--input={run}", f"--output={tmp_path}/converted")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/converted")
+    np.testing.assert_allclose(torch_logits(converted.eval(), tokens), ours, atol=1e-4)
+    if family == "llama_gqa":  # a second LoRA round on top of the first (SFT, then DPO)
+        run_cli("train", f"--init_from={run}", f"--data.path={text_file}", "--seq_len=32",
+                "--batch_size=8", "--steps=1", "--lora.rank=2", "--eval_every=0",
+                f"--output_dir={tmp_path}/second")
+        again = build_model(model_cfg, lora=loading.lora_of(f"{tmp_path}/second"))
+        second = checkpoint.load_params(f"{tmp_path}/second",
+                                        loading.abstract_params(again, device))
+        np.testing.assert_allclose(
+            build_model(model_cfg).apply({"params": lora.without_adapters(second)}, tokens),
+            ours, atol=1e-4)  # its frozen base is the first round's merged model
 
 
 def test_lora_resume_is_bitwise(tmp_path, text_file):

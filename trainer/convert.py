@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
-from trainer import checkpoint, hf, loading
+from trainer import checkpoint, hf, loading, lora
 from trainer.model import DTYPES
 from trainer.errors import UserError
 from trainer.families import ModelConfig
@@ -119,6 +119,9 @@ def checkpoint_to_hf(cfg):
     hf.hf_config(model_cfg, "float32")  # an unexportable config fails before any work
     _prepare_output(cfg)
     params = _restore_params(directory, step, cfg.dtype)
+    lora_cfg = loading.lora_of(f"{directory}/{step}")
+    if lora_cfg:  # a LoRA run: its adapters merged into the weights
+        params = lora.merged(params, lora_cfg)
     hf.export(params, model_cfg, spec, cfg.output, max_shard_size=cfg.max_shard_size)
     url = hf.push_to_hub(cfg.output, cfg.push_to_hub) if cfg.push_to_hub else None
     return model_cfg, params, cfg.output, url

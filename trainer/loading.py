@@ -42,10 +42,25 @@ def model_source(path, tokenizer=""):
 
 
 def load_weights(path, model_cfg: ModelConfig, abstract_params):
-    """The weights of a model source, onto abstract_params' shardings."""
+    """The weights of a model source, onto abstract_params' shardings. A LoRA run's
+    checkpoint gives its weights with the adapters merged in (as --export_hf writes them)."""
     if kind(path) == "hf":
         return hf.load_params(path, model_cfg, abstract_params)
-    return checkpoint.load_params(path, abstract_params)
+    lora = lora_of(path)
+    if lora is None:
+        return checkpoint.load_params(path, abstract_params)
+    from trainer import lora as lora_lib
+    from trainer.model import build_model
+    shapes = jax.eval_shape(build_model(model_cfg, lora=lora).init, jax.random.PRNGKey(0),
+                            jnp.zeros((1, 1), jnp.int32))["params"]
+    some = jax.tree.leaves(abstract_params)[0].sharding
+    whole = (jax.sharding.NamedSharding(some.mesh, jax.sharding.PartitionSpec())
+             if isinstance(some, jax.sharding.NamedSharding) else some)  # adapters are small
+    adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                            lora_lib.split(shapes, lora_lib.adapter_mask(shapes))[0])
+    params = checkpoint.load_params(path, lora_lib.join(abstract_params, adapters))
+    merged = lora_lib.merged(params, lora)
+    return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract_params))
 
 
 def abstract_params(model, sharding, dtype=None):
@@ -73,19 +88,13 @@ def lora_of(path):
 
 def load_model(path, tokenizer="", dtype="float32"):
     """A model source -> (model, params, tokenizer) on one device, for eval, generate and
-    serve. `tokenizer` overrides the source's own. A LoRA run's checkpoint comes with its
-    adapters merged into the weights: a plain model, as --export_hf would write it."""
-    from trainer import lora as lora_lib
+    serve. `tokenizer` overrides the source's own."""
     from trainer.model import build_model
     from trainer.tokenizer import load_tokenizer
     if not path:
         raise SourceError("--checkpoint is required: a meshlm checkpoint or HF model dir")
     model_cfg, tokenizer = model_source(path, tokenizer)
-    lora = lora_of(path)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    adapted = build_model(model_cfg, dtype=dtype, param_dtype=dtype, lora=lora)
-    params = load_weights(path, model_cfg, abstract_params(adapted, device))
-    if lora:
-        params = lora_lib.merged(params, lora)
     model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = load_weights(path, model_cfg, abstract_params(model, device))
     return model, params, load_tokenizer(tokenizer)
