@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, cli_env, run_cli
-from trainer import checkpoint, optim, train
+from trainer import checkpoint, lora, optim, train
 
 STEPS = 12
 SMALL = ["--seq_len=32", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_every=0",
@@ -282,11 +282,15 @@ def step_parts():
                               "--optimizer.warmup_steps=0"])
     model = train.build_model(cfg.model)
     optimizer, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
-    state = train.init_state(jax.random.PRNGKey(0), model=model, optimizer=optimizer, seq_len=16)
+    trainable = lora.trainable_mask(jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                                                   np.zeros((1, 16), np.int32))["params"])
+    state = train.init_state(jax.random.PRNGKey(0), model=model, optimizer=optimizer, seq_len=16,
+                             trainable=trainable)
     tokens = np.random.default_rng(0).integers(0, 256, (4, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "loss_mask": np.ones((4, 16), np.float32)}
-    return dict(model=model, optimizer=optimizer, schedule=schedule, grad_accum=1), state, batch
+    return dict(objective=train.make_objective(cfg, model), trainable=trainable,
+                optimizer=optimizer, schedule=schedule, grad_accum=1), state, batch
 
 
 def same(a, b):

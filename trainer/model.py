@@ -5,7 +5,8 @@ Read it like the paper: token embedding -> N x [RMSNorm -> grouped-query attenti
 RoPE -> residual -> RMSNorm -> gated MLP -> residual] -> RMSNorm -> logits. A family's
 `Switches` add what sets it apart, each at the one place the paper puts it: q/k norms,
 (1 + w) norms, norms after attention and MLP too, scaled embeddings. Each layer is full or
-sliding-window attention (`cfg.layer_types`), with its own RoPE.
+sliding-window attention (`cfg.layer_types`), with its own RoPE. With a LoRA config, the
+linear layers it names carry low-rank adapters beside their frozen kernels (`_adapter`).
 
 Shapes: B batch, T query length, S key length, D hidden_size, H query heads,
 K key/value heads, G = H // K queries per kv head, Dh head_dim, F intermediate, V vocab.
@@ -352,7 +353,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """tokens [B, T] -> logits [B, T, V] (float32); with targets and loss_mask [B, T],
-    the summed loss and target count instead (chunked_cross_entropy).
+    the summed loss and target count instead (chunked_cross_entropy), per row with per_row.
 
     segment_ids [B, T] (packed rows): tokens attend only within their own segment.
     For decoding, pass kv_cache (one {'k', 'v'} of [B, S, K, Dh] per layer, from
