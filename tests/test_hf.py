@@ -409,7 +409,8 @@ def test_errors_name_the_problem(family_dirs, tmp_path, capsys):
         convert.main([f"--input={llama}", f"--output={tmp_path / 'z'}", "--push_to_hub=me/x"])
     with pytest.raises(SystemExit, match="exists and is not empty; pass --overwrite"):
         convert.main([f"--input={llama}", f"--output={ckpt}"])
-    with pytest.raises(hf.HFError, match="exists and is not a Hugging Face model dir"):
+    with pytest.raises(flags.ConfigError,
+                       match="--export_hf: .* exists and is not a Hugging Face model dir"):
         train.resolve_config([f"--export_hf={tmp_path}"])
 
 

@@ -196,7 +196,7 @@ BAD_INPUTS = {
     "seq_len too long": (lambda d: ["--seq_len=4096"],
                          ["--seq_len=4096", "max_position_embeddings=1024"]),
     "empty corpus": (lambda d: ["--data.path=" + write(d / "empty.txt", ""),
-                                "--data.val_fraction=0"], ["empty.txt", "no documents"]),
+                                "--data.val_fraction=0"], ["empty.txt", "the file is empty"]),
     "non-numeric flag": (lambda d: ["--batch_size=lots"], ["--batch_size", "'lots'"]),
     "attention kernel this machine lacks": (lambda d: ["--attention=cudnn"],
                                             ["--attention=cudnn", "needs a GPU"]),

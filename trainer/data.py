@@ -637,6 +637,21 @@ class Dataset:
             yield b
 
 
+def batch_shapes(cfg: DataConfig, batch_size: int, seq_len: int) -> dict:
+    """{key: (shape, dtype)} of the batches `Dataset.batch` gives for this data config: what
+    the train step is compiled for, known without reading any data (trainer.plan)."""
+    if cfg.format == "preference":  # one pair per row, no packing
+        shape = (batch_size, 2, seq_len)
+        return {"inputs": (shape, np.int32), "targets": (shape, np.int32),
+                "loss_mask": (shape, np.float32)}
+    shape = (batch_size, seq_len)
+    out = {"inputs": (shape, np.int32), "targets": (shape, np.int32),
+           "loss_mask": (shape, np.float32)}
+    if cfg.isolated:
+        out |= {"segment_ids": (shape, np.int32), "positions": (shape, np.int32)}
+    return out
+
+
 def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
     """(train, validation) for the source in cfg (see the module docstring)."""
     spec, row_len, pad_id = cfg.path, seq_len + 1, tokenizer.pad_id

@@ -1,0 +1,69 @@
+"""trainer/plan.py: the compiled memory plan of a train step, checked against the state a
+real run allocates, its verdict around the budget, and its command line."""
+
+import json
+
+import jax
+import pytest
+
+from conftest import run_cli
+from test_sharding import build
+from trainer import plan
+
+
+def held_per_device(tree):
+    """The most bytes any one device really holds of a tree of arrays."""
+    held = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values())
+
+
+@pytest.mark.parametrize("flags", [(), ("--lora.rank=4", "--lora.base_dtype=bfloat16")])
+def test_plan_state_is_what_a_run_holds_and_the_verdict_flips_at_the_total(flags):
+    cfg, mesh, trainer = build("1,8,1", *flags, batch_size=8)
+    lines = []
+    result = plan.plan(cfg, mesh, out=lines.append)
+    with jax.set_mesh(mesh):
+        state = trainer.fresh_state()
+    assert result["state"] == held_per_device(state)
+    assert result["state_params"] == held_per_device(state["params"])
+    assert result["temp"] > 0 and result["total"] > result["state"] + result["temp"] * 0.99
+    assert 0.5 < result["analytic_state"] / result["state"] < 1.5
+    assert any("largest buffers:" in l for l in lines) and len(result["largest"]) == 5
+    assert json.loads(lines[-1])["total"] == result["total"]
+
+    total = result["total"]
+    below = plan.plan(cfg, mesh, budget=total - 1, out=lines.append)
+    above = plan.plan(cfg, mesh, budget=total + 1, out=lines.append)
+    assert not below["fits"] and above["fits"]
+    assert any(l.startswith("does not fit") for l in lines)
+    assert any(l.startswith("fits:") for l in lines)
+
+
+def test_plan_command_line(tmp_path):
+    args = ["--devices=8", "--mesh=1,8,1", "--batch_size=16", "--model.num_hidden_layers=2",
+            "--remat=none", f"--output_dir={tmp_path}/run"]
+    proc = run_cli("plan", *args, "--device_memory=1MiB", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "does not fit" in proc.stdout and "--remat=full" in proc.stdout
+    assert "--grad_accum=2" in proc.stdout  # two rows per device: halve them
+    assert not json.loads(proc.stdout.strip().splitlines()[-1])["fits"]
+    proc = run_cli("plan", *args, "--device_memory=64GiB")
+    assert "fits:" in proc.stdout
+    assert not (tmp_path / "run").exists()  # a plan writes nothing
+    for bad, message in [("--device_memory=lots", "--device_memory: expected a size"),
+                         ("--devices=0", "--devices: expected a positive number"),
+                         ("--mesh=1,3,1", "--mesh=1,3,1")]:
+        proc = run_cli("plan", *args, bad, check=False)
+        assert proc.returncode == 1 and message in proc.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in proc.stderr
+
+
+def test_parse_bytes():
+    assert plan.parse_bytes("16GiB") == 16 * 2 ** 30
+    assert plan.parse_bytes("80GB") == 80 * 10 ** 9
+    assert plan.parse_bytes("1.5 gib") == int(1.5 * 2 ** 30)
+    assert plan.parse_bytes("512") == 512
+    assert plan.parse_bytes("12 parsecs") is None and plan.parse_bytes("") is None
