@@ -13,10 +13,9 @@
 # finished run was stopped before its export). Later flags override these defaults, e.g.
 # --steps=2000 --lora.rank=64 --mesh=1,4,2 --seq_len=4096.
 set -euo pipefail
-if [ $# -lt 3 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
-  [ $# -ge 3 ] && exit 0 || exit 2
-fi
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
+if [ $# -lt 3 ]; then usage >&2; exit 2; fi
 model=$1 data=$2 out=${3%/}
 shift 3
 exec "${PYTHON:-python}" -m trainer.train \

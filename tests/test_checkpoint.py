@@ -289,7 +289,7 @@ def step_parts():
     tokens = np.random.default_rng(0).integers(0, 256, (4, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "loss_mask": np.ones((4, 16), np.float32)}
-    return dict(objective=train.make_objective(cfg, model), trainable=trainable,
+    return dict(objective=train.make_objective(cfg, model, trainable), trainable=trainable,
                 optimizer=optimizer, schedule=schedule, grad_accum=1), state, batch
 
 

@@ -170,7 +170,7 @@ def test_lora_resume_is_bitwise(tmp_path, text_file):
     # A different LoRA setting can't continue that run.
     proc = run_cli("train", *common[:-3], "--lora.rank=8", "--steps=9",
                    f"--output_dir={tmp_path}/resumed", check=False)
-    assert proc.returncode == 1 and "trained with --lora=" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "trained with --lora.rank=4 (this run: 8)" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -181,8 +181,13 @@ def test_lora_resume_is_bitwise(tmp_path, text_file):
     (["--export_peft=/tmp/x"], "--export_peft writes LoRA adapters; pass --lora.rank"),
     (["--lora.rank=4", "--freeze=embed"], "--freeze and --lora.rank both choose"),
     (["--lora.rank=-1"], "need rank >= 0"),
+    (["--freeze=nothing_here"], "--freeze='nothing_here' matches no parameter"),
+    (["--lora.rank=4", "--export_peft={tmp}/a"], "--export_peft writes adapters for the Hugging"),
+    (["--export_hf={tmp}/run/hf"], "--export_hf={tmp}/run/hf and --output_dir={tmp}/run overlap"),
 ])
 def test_lora_errors_are_one_line(flags, message, tmp_path):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    message = message.format(tmp=tmp_path)
     proc = run_cli("train", "--steps=1", f"--output_dir={tmp_path}/run", *flags, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and message in lines[-1], proc.stderr[-2000:]

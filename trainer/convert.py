@@ -118,11 +118,13 @@ def checkpoint_to_hf(cfg):
                        f"the tokenizer of checkpoint {directory}/{step},")
     hf.hf_config(model_cfg, "float32")  # an unexportable config fails before any work
     _prepare_output(cfg)
-    params = _restore_params(directory, step, cfg.dtype)
     lora_cfg = loading.lora_of(f"{directory}/{step}")
-    if lora_cfg:  # a LoRA run: its adapters merged into the weights
+    # A LoRA run: its adapters, as stored (float32), merged into the weights, then cast.
+    params = _restore_params(directory, step, "" if lora_cfg else cfg.dtype)
+    if lora_cfg:
         params = lora.merged(params, lora_cfg)
-    hf.export(params, model_cfg, spec, cfg.output, max_shard_size=cfg.max_shard_size)
+    hf.export(params, model_cfg, spec, cfg.output, dtype=cfg.dtype if lora_cfg else None,
+              max_shard_size=cfg.max_shard_size)
     url = hf.push_to_hub(cfg.output, cfg.push_to_hub) if cfg.push_to_hub else None
     return model_cfg, params, cfg.output, url
 

@@ -428,11 +428,15 @@ def shard_size_bytes(size):
     return int(value)
 
 
+def is_peft_dir(path):
+    """A directory holding a PEFT adapter (adapter_config.json)."""
+    return storage.exists(f"{path.rstrip('/')}/adapter_config.json")
+
+
 def check_export_dir(out_dir, peft=False):
     """An export may replace an empty dir or an earlier export of its kind, nothing else."""
     fs, p = storage.fs_and_path(out_dir)
-    earlier = (fs.exists(f"{p.rstrip('/')}/adapter_config.json") if peft
-               else is_hf_dir(out_dir))
+    earlier = is_peft_dir(out_dir) if peft else is_hf_dir(out_dir)
     if fs.exists(p) and (not fs.isdir(p) or (fs.ls(p) and not earlier)):
         raise HFError(f"{out_dir} exists and is not a {'PEFT adapter' if peft else 'Hugging Face model'} "
                       "dir; export into an empty or new dir")
@@ -457,7 +461,6 @@ def export_peft(params, model_cfg: ModelConfig, lora, tokenizer_spec, out_dir, b
     """Write the LoRA adapters in params as a PEFT adapter dir (adapter_config.json,
     adapter_model.safetensors, the tokenizer) that `PeftModel.from_pretrained(base, dir)`
     loads onto the base model. Every process calls it; process 0 writes."""
-    from safetensors.numpy import save_file
     check_export_dir(out_dir, peft=True)
     flat = _flat(params)
     modules = peft_modules(model_cfg, lora.targets)
@@ -468,8 +471,16 @@ def export_peft(params, model_cfg: ModelConfig, lora, tokenizer_spec, out_dir, b
         for ours, theirs in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
             tensors[f"base_model.model.{module}.{theirs}.weight"] = np.ascontiguousarray(
                 _to_host(flat[f"{layer}/{ours}"]).T)
-    if jax.process_index() != 0:
-        return out_dir
+    if jax.process_index() == 0:
+        _write_peft(tensors, modules, lora, tokenizer_spec, out_dir, base_model)
+    if jax.process_count() > 1:  # nobody goes on before the adapter is there
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("meshlm-peft-export")
+    return out_dir
+
+
+def _write_peft(tensors, modules, lora, tokenizer_spec, out_dir, base_model):
+    from safetensors.numpy import save_file
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
               "target_modules": sorted(modules.values()), "fan_in_fan_out": False,
@@ -489,7 +500,6 @@ def export_peft(params, model_cfg: ModelConfig, lora, tokenizer_spec, out_dir, b
         _publish(staging, out_dir, last="adapter_config.json")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
 
 
 def export(params, model_cfg: ModelConfig, tokenizer_spec, out_dir, dtype=None, max_shard_size="5GB"):

@@ -34,6 +34,9 @@ def trainable_mask(params, lora_rank=0, freeze=""):
         p = path_str(path)
         return is_adapter(p) if lora_rank else not (freeze and re.search(freeze, p))
     mask = jax.tree_util.tree_map_with_path(trains, params)
+    if freeze and all(jax.tree.leaves(mask)):
+        raise ConfigError(f"--freeze={freeze!r} matches no parameter (paths look like "
+                          "layers_0/self_attn/q_proj/kernel)")
     if not any(jax.tree.leaves(mask)):
         raise ConfigError(
             "--lora.targets matches no attention or MLP kernel (paths look like "

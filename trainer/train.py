@@ -51,15 +51,17 @@ class Objective(typing.NamedTuple):
     metrics: tuple = ()
 
 
-def make_objective(cfg, model):
+def make_objective(cfg, model, trainable):
     """Next-token loss on the masked targets, or DPO for --data.format=preference (its
-    reference: the base model with LoRA's adapters off, else a frozen copy of the start)."""
+    reference: the base model with LoRA's adapters off, else the params with a frozen copy
+    of the starting values of the trainable ones)."""
     if cfg.data.format != "preference":
         return Objective(lambda params, state, batch, rng: (
             *batch_loss(model, params, batch, rng), {}))
 
     def dpo_objective(params, state, batch, rng):
-        reference = lora.adapters_off(params) if cfg.lora.rank else state["ref_params"]
+        reference = (lora.adapters_off(params) if cfg.lora.rank else
+                     lora.join(state["ref_params"], lora.split(params, trainable)[1]))
         return dpo.dpo_loss(model, params, reference, batch, cfg.dpo.beta, rng)
     return Objective(dpo_objective, dpo.METRICS)
 
@@ -162,8 +164,8 @@ def init_state(rng, base=None, *, model, optimizer, seq_len, trainable, base_dty
              "step": jnp.int32(0), "rng": jax.random.fold_in(rng, 1), "bad_steps": jnp.int32(0),
              "good_steps": jnp.int32(0), "loss_mean": jnp.float32(0),
              "loss_var": jnp.float32(0)}
-    if reference:
-        state["ref_params"] = jax.tree.map(jnp.copy, params)
+    if reference:  # (the frozen weights are their own reference)
+        state["ref_params"] = jax.tree.map(jnp.copy, lora.split(params, trainable)[0])
     return state
 
 
@@ -189,6 +191,16 @@ def resolve_config(argv):
     if why:
         raise ConfigError(f"--attention={cfg.attention}: {why}; use --attention=auto")
     from trainer import hf
+    exports = [(f, getattr(cfg, f)) for f in ("export_hf", "export_peft") if getattr(cfg, f)]
+    for i, (name, path) in enumerate(exports):  # each export its own dir, outside the run's
+        for other, there in [("output_dir", cfg.output_dir)] + exports[i + 1:]:
+            a, b = path.rstrip("/") + "/", there.rstrip("/") + "/"
+            if a.startswith(b) or b.startswith(a):
+                raise ConfigError(f"--{name}={path} and --{other}={there} overlap; give each "
+                                  "its own dir")
+    if cfg.export_peft and not (cfg.init_from and loading.kind(cfg.init_from) == "hf"):
+        raise ConfigError("--export_peft writes adapters for the Hugging Face model they were "
+                          "trained on; pass that dir as --init_from (or use --export_hf)")
     try:  # fail now, not after training
         if cfg.export_hf:
             hf.check_export_dir(cfg.export_hf)
@@ -331,7 +343,7 @@ class Trainer:
         if cfg.lora.rank:
             lora.check_targets(param_shapes, cfg.lora)
         self.trainable = lora.trainable_mask(param_shapes, cfg.lora.rank, cfg.freeze)
-        objective = make_objective(cfg, self.model)
+        objective = make_objective(cfg, self.model, self.trainable)
         init_fn = functools.partial(
             init_state, model=self.model, optimizer=self.optimizer, seq_len=cfg.seq_len,
             trainable=self.trainable, base_dtype=cfg.lora.base_dtype if cfg.lora.rank else "",
@@ -397,6 +409,10 @@ def _run(cfg, stop):
         state, start = restore_or_init(cfg, trainer, mngr, log)
         if state is None:
             return None
+        if start >= cfg.steps:  # trained, but its export was cut off
+            mngr.close()
+            export_at_end(cfg, state, log)
+            return state
         batch = feed.get(start)
         compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
         write_run_config(cfg)
@@ -473,15 +489,20 @@ def restore_or_init(cfg, trainer, mngr, log):
         raise checkpoint.CheckpointError(
             f"{cfg.output_dir} holds a checkpoint of a different model (model.{diff[0]}: "
             f"{saved[diff[0]]} there); use another --output_dir, or --resume=never --overwrite")
-    ours, theirs = flags.to_dict(cfg), meta.get("config", {})
-    for name in ("lora", "freeze", "data.format"):  # what the train state holds
-        group, _, field = name.partition(".")
-        mine = ours[group][field] if field else ours[group]
-        there = theirs.get(group, {}).get(field) if field else theirs.get(group)
-        if there is not None and there != mine:
+    theirs = meta.get("config", {})
+    lora_there, format_there = theirs.get("lora", {}), theirs.get("data", {}).get("format")
+    same_state = {  # flag: (this run's value, the checkpoint's, whether they make one state)
+        "lora.rank": (cfg.lora.rank, lora_there.get("rank", 0), None),
+        "lora.targets": (cfg.lora.targets, lora_there.get("targets", cfg.lora.targets), None),
+        "lora.base_dtype": (cfg.lora.base_dtype, lora_there.get("base_dtype", ""), None),
+        "freeze": (cfg.freeze, theirs.get("freeze", ""), None),
+        "data.format": (cfg.data.format, format_there or cfg.data.format,
+                        (cfg.data.format == "preference") == (format_there == "preference"))}
+    for name, (mine, there, compatible) in same_state.items():
+        if not (compatible if compatible is not None else mine == there):
             raise checkpoint.CheckpointError(
-                f"{cfg.output_dir} holds a checkpoint trained with --{name}={there}, not "
-                f"{mine}; use another --output_dir, or --resume=never --overwrite")
+                f"{cfg.output_dir} holds a checkpoint trained with --{name}={there} (this run: "
+                f"{mine}); use another --output_dir, or --resume=never --overwrite")
     if start >= cfg.steps:
         if not missing_exports(cfg):
             log(f"{cfg.output_dir} is already trained to step {start} (--steps={cfg.steps}); "
@@ -533,15 +554,33 @@ def compile_step(cfg, trainer, state, example, mesh, log):
     """The train step compiled ahead of time (the first step's timing stays honest), and
     the analytic FLOPs per step, cross-checked against XLA's own count in the log."""
     compiled = trainer.step_fn.lower(state, example).compile()
-    flops = cfg.model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
+    trainable, frozen = lora.split(state["params"], trainer.trainable)
+    frozen_matmul = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(frozen)[0]
+                        if x.ndim >= 2 and (cfg.model.tie_word_embeddings or
+                                            not sharding.path_str(p).endswith("embedding")))
+    flops = analytic_flops_per_step(cfg, frozen_matmul)
     xla = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    trains = sum(x.size for x in jax.tree.leaves(lora.split(state["params"], trainer.trainable)[0]))
+    trains = sum(x.size for x in jax.tree.leaves(trainable))
     kernel = attention.choose(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len, cfg.model.head_dim)
     log(f"model: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh dp,fsdp,tp = "
         f"{tuple(mesh.shape.values())} over {jax.device_count()} devices; attention: {kernel}; "
         f"FLOPs/step analytic {flops:.3g}, XLA {xla:.3g}")
     return compiled, flops
+
+
+def tokens_per_step(cfg):
+    """Tokens a step trains on: batch_size rows of seq_len (a preference row: two)."""
+    return cfg.batch_size * cfg.seq_len * (2 if cfg.data.format == "preference" else 1)
+
+
+def analytic_flops_per_step(cfg, frozen_matmul_params):
+    """PaLM-style training FLOPs of a step: flops_per_token (6 per matmul parameter, plus
+    attention), minus the weight gradients frozen weights skip (2 per parameter), plus
+    DPO's reference forward pass (a third of the whole)."""
+    per_token = cfg.model.flops_per_token(cfg.seq_len)
+    reference = per_token / 3 if cfg.data.format == "preference" else 0
+    return (per_token - 2 * frozen_matmul_params + reference) * tokens_per_step(cfg)
 
 
 def write_run_config(cfg):
@@ -572,7 +611,7 @@ class StepLog:
     def __init__(self, cfg, start, flops_per_step, num_devices, is_main, log):
         self.cfg, self.log, self.is_main = cfg, log, is_main
         self.pending = []  # each step's metrics since the last log, still on the device
-        self.flops_per_token = flops_per_step / (cfg.batch_size * cfg.seq_len)
+        self.flops_per_token = flops_per_step / tokens_per_step(cfg)
         self.num_devices, self.peak = num_devices, peak_tflops(cfg)
         self.metrics = (MetricsLog(cfg.output_dir.rstrip("/") + "/metrics.jsonl", start)
                         if is_main else None)
@@ -597,8 +636,8 @@ class StepLog:
         cfg = self.cfg
         history, self.pending = jax.device_get(self.pending), []
         elapsed = time.perf_counter() - self.window_start
-        tokens_per_step = cfg.batch_size * cfg.seq_len
-        tps = tokens_per_step * (step - self.window_from) / elapsed
+        tokens = tokens_per_step(cfg)
+        tps = tokens * (step - self.window_from) / elapsed
         self.bar.update(step - self.bar.n)
         too_many = None  # the first step that reached --max_bad_steps
         for at, m in enumerate(history, start=step - len(history) + 1):
@@ -609,7 +648,7 @@ class StepLog:
                 too_many = at
         metrics = history[-1]
         record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                  "grad_norm": float(metrics["grad_norm"]), "tokens": step * tokens_per_step,
+                  "grad_norm": float(metrics["grad_norm"]), "tokens": step * tokens,
                   "tokens_per_sec": tps,
                   "tflops_per_device": self.flops_per_token * tps / self.num_devices / 1e12}
         if self.peak:
@@ -660,11 +699,15 @@ class SavePolicy:
 
 
 def missing_exports(cfg):
-    """A finished run stopped before its export (a spot VM taken away) still owes one."""
+    """A finished run stopped before its export (a spot VM taken away) still owes one.
+    Process 0 writes exports, so it decides for every process."""
     from trainer import hf
-    return ((cfg.export_hf and not hf.is_hf_dir(cfg.export_hf))
-            or (cfg.export_peft and not storage.exists(
-                cfg.export_peft.rstrip("/") + "/adapter_config.json")))
+    missing = bool((cfg.export_hf and not hf.is_hf_dir(cfg.export_hf))
+                   or (cfg.export_peft and not hf.is_peft_dir(cfg.export_peft)))
+    if jax.process_count() == 1:
+        return missing
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.array(missing)))
 
 
 def export_at_end(cfg, state, log):
