@@ -535,3 +535,16 @@ def test_train_cli_on_fields_data(tmp_path, cli):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
     assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
+
+
+def test_eval_names_its_own_fields_flag(tmp_path):
+    """trainer.eval's flags are --fields and --data, not the train command's --data.*."""
+    from tiny_hf import make_hf_dir
+    from trainer import eval as eval_cli
+    model = str(tmp_path / "hf")
+    make_hf_dir(model, "llama_gqa")
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"q": "a", "a": "b"}])
+    with pytest.raises(SystemExit) as e:
+        eval_cli.main([f"--checkpoint={model}", f"--data={path}", "--format=fields",
+                       "--fields=[q,a"])
+    assert str(e.value).startswith("error: --fields='[q,a': ")

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from conftest import REPO, run_cli
-from trainer import config, convert, eval as eval_cli, flags, generate as generate_cli, serve
+from trainer import config, convert, eval as eval_cli, flags, generate as generate_cli, plan, serve
 
 COMMANDS = {"train": config.TrainConfig, "eval": eval_cli.EvalFlags,
             "generate": generate_cli.GenerateFlags, "convert": convert.ConvertFlags,
@@ -60,6 +60,10 @@ def test_every_readme_flag_parses():
     commands = readme_commands()
     assert sum(module == "train" for module, _ in commands) >= 3
     for module, args in commands:
+        if module == "plan":  # the train flags, plus the plan's own
+            own, args = plan.split_plan_flags(args)
+            assert set(own) <= set(plan.PLAN_FLAGS) and plan.parse_bytes(own["device_memory"])
+            module = "train"
         assert module in COMMANDS, module
         if args != ["--help"]:
             flags.parse(COMMANDS[module], args)  # raises ConfigError on an unknown flag

@@ -71,7 +71,8 @@ def main(argv=None):
                                                       model.cfg.vocab_size))
         loss, tokens = evaluate(model, params, dataset, cfg.batch_size, cfg.max_batches)
     except UserError as e:
-        sys.exit(f"error: {e}")
+        # data.py names the train command's flags (--data.fields); here they are --fields.
+        sys.exit(f"error: {str(e).replace('--data.path', '--data').replace('--data.', '--')}")
     print(json.dumps({"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens}))
 
 
