@@ -13,7 +13,6 @@ from conftest import run_cli
 from test_sharding import batch_for, build, train_losses
 from tiny_hf import make_hf_dir, torch_logits
 from trainer import checkpoint, lora, loading, train
-from trainer.config import LoraConfig
 from trainer.model import build_model
 from trainer.sharding import path_str
 
