@@ -129,12 +129,13 @@ def test_packed_rows_equal_their_documents_run_alone():
         return model.apply({"params": p}, inputs[None], targets=targets[None],
                            loss_mask=jnp.ones((1, len(inputs))), **row)[0]
     joined = lambda parts: jnp.asarray(np.concatenate(parts))[None]  # noqa: E731
-    packed_grads = jax.grad(loss)(params, joined([d[:-1] for d in docs])[0],
+    grad = jax.jit(jax.grad(loss))
+    packed_grads = grad(params, joined([d[:-1] for d in docs])[0],
                                   joined([d[1:] for d in docs])[0],
                                   positions=joined([np.arange(len(d) - 1) for d in docs]),
                                   segment_ids=joined([np.full(len(d) - 1, i)
                                                       for i, d in enumerate(docs)]))
-    alone_grads = [jax.grad(loss)(params, jnp.asarray(d[:-1]), jnp.asarray(d[1:]))
+    alone_grads = [grad(params, jnp.asarray(d[:-1]), jnp.asarray(d[1:]))
                    for d in docs]
     summed = jax.tree.map(lambda *g: sum(g), *alone_grads)
     for a, b in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(summed)):
