@@ -94,16 +94,18 @@ def _size(n):
 
 
 def analytic(cfg, mesh_shape, trainable_params, total_params):
-    """The README's memory math, per device: state = bytes per parameter x N / (fsdp x tp)
-    (weights, plus for trainable ones float32 gradients and two Adam moments); activations
-    = the block inputs every layer keeps (remat full) or about 16 [rows, T, D]-sized tensors
-    per layer (no remat), plus one layer's working set and one loss chunk."""
+    """The README's memory math, per device. State: bytes per parameter x N / (fsdp x tp),
+    the weights plus two float32 Adam moments for the trainable ones. Temporaries: their
+    float32 gradients, sharded the same way, plus activations: the block input every layer
+    keeps (remat full) or about 16 [rows, T, D]-sized tensors per layer (no remat), and
+    one layer's working set."""
     dp, fsdp, tp = mesh_shape
     weight = np.dtype(DTYPES[cfg.param_dtype]).itemsize
     frozen = total_params - trainable_params
     base = (np.dtype(DTYPES[cfg.lora.base_dtype]).itemsize if cfg.lora.rank and
             cfg.lora.base_dtype else weight)
     state = (trainable_params * (weight + 8) + frozen * base) / (fsdp * tp)
+    grads = trainable_params * 4 / (fsdp * tp)
     m = cfg.model
     rows = cfg.batch_size // cfg.grad_accum // (dp * fsdp) * (2 if cfg.data.format ==
                                                                "preference" else 1)
@@ -111,7 +113,7 @@ def analytic(cfg, mesh_shape, trainable_params, total_params):
     token_bytes = rows * cfg.seq_len * act
     per_layer = token_bytes * m.hidden_size * (1 if cfg.remat == "full" else 16)
     working = token_bytes * (8 * m.hidden_size + 4 * m.intermediate_size // tp)
-    return state, m.num_hidden_layers * per_layer + working
+    return state, grads + m.num_hidden_layers * per_layer + working
 
 
 def advice(cfg, mesh_shape, state, temp, budget, loss_chunk):
@@ -168,7 +170,7 @@ def plan(cfg, mesh, budget=None, out=print):
     trains = sum(x.size for x in jax.tree.leaves(lora.split(state["params"],
                                                             trainer.trainable)[0]))
     shape = tuple(mesh.shape.values())
-    est_state, est_act = analytic(cfg, shape, trains, params)
+    est_state, est_temp = analytic(cfg, shape, trains, params)
 
     out(f"plan: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh "
         f"dp,fsdp,tp = {shape} over {mesh.size} {jax.devices()[0].platform} devices; "
@@ -176,7 +178,7 @@ def plan(cfg, mesh, budget=None, out=print):
         f"dtype {cfg.dtype}, remat {cfg.remat}")
     rows = [*((f"state: {name}", value, None) for name, value in parts.items()),
             ("state total", state_bytes, est_state), ("batch", batch_bytes, None),
-            ("temporaries", temp, est_act), ("total", total, est_state + est_act)]
+            ("temporaries", temp, est_temp), ("total", total, est_state + est_temp)]
     out(f"per device:{'compiled':>24}{'analytic':>14}")
     for name, value, estimate in rows:
         out(f"  {name:<21}{_size(value):>12}{_size(estimate) if estimate else '':>14}")
@@ -188,7 +190,7 @@ def plan(cfg, mesh, budget=None, out=print):
             out(f"  {_size(size):>11}  {what}")
     result = {"state": state_bytes, **{f"state_{k}": v for k, v in parts.items()},
               "temp": temp, "total": total, "analytic_state": est_state,
-              "analytic_activations": est_act, "largest": buffers}
+              "analytic_temporaries": est_temp, "largest": buffers}
     if budget:
         result["fits"] = total <= budget
         if result["fits"]:
