@@ -181,6 +181,8 @@ def test_lora_resume_is_bitwise(tmp_path, text_file):
     (["--lora.rank=4", "--freeze=embed"], "--freeze and --lora.rank both choose"),
     (["--lora.rank=-1"], "need rank >= 0"),
     (["--freeze=nothing_here"], "--freeze='nothing_here' matches no parameter"),
+    (["--lora.alpha=32"], "--lora.alpha has no effect without --lora.rank"),
+    (["--dpo.beta=0.2"], "--dpo.beta has no effect without --data.format=preference"),
     (["--lora.rank=4", "--export_peft={tmp}/a"], "--export_peft writes adapters for the Hugging"),
     (["--export_hf={tmp}/run/hf"], "--export_hf={tmp}/run/hf and --output_dir={tmp}/run overlap"),
 ])

@@ -186,6 +186,14 @@ def resolve_config(argv):
     cfg = flags.parse(TrainConfig, argv, defaults)
     if not cfg.tokenizer:
         cfg = dataclasses.replace(cfg, tokenizer="bytes")
+    named = flags.given(argv)  # flags that would silently do nothing
+    idle = sorted(n for n in named if n.startswith("lora.") and n != "lora.rank"
+                  and not cfg.lora.rank)
+    idle += ["dpo.beta"] if "dpo.beta" in named and cfg.data.format != "preference" else []
+    if idle:
+        raise ConfigError(f"--{idle[0]} has no effect without "
+                          + ("--lora.rank" if idle[0].startswith("lora.") else
+                             "--data.format=preference"))
     why = attention.unsupported(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len,
                                 cfg.model.head_dim)
     if why:
