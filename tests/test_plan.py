@@ -7,17 +7,8 @@ import jax
 import pytest
 
 from conftest import run_cli
-from test_sharding import build
+from test_sharding import build, per_device_bytes
 from trainer import plan
-
-
-def held_per_device(tree):
-    """The most bytes any one device really holds of a tree of arrays."""
-    held = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values())
 
 
 @pytest.mark.parametrize("flags", [(), ("--lora.rank=4", "--lora.base_dtype=bfloat16")])
@@ -27,8 +18,8 @@ def test_plan_state_is_what_a_run_holds_and_the_verdict_flips_at_the_total(flags
     result = plan.plan(cfg, mesh, out=lines.append)
     with jax.set_mesh(mesh):
         state = trainer.fresh_state()
-    assert result["state"] == held_per_device(state)
-    assert result["state_params"] == held_per_device(state["params"])
+    assert result["state"] == per_device_bytes(state)
+    assert result["state_params"] == per_device_bytes(state["params"])
     assert result["temp"] > 0 and result["total"] > result["state"] + result["temp"] * 0.99
     assert 0.5 < result["analytic_state"] / result["state"] < 1.5
     assert any("largest buffers:" in l for l in lines) and len(result["largest"]) == 5

@@ -96,7 +96,7 @@ def _check_regex(flag_name, pattern):
 @dataclass(frozen=True)
 class LoraConfig:
     rank: int = flag(0, "LoRA adapter rank (0: off: train every weight --freeze leaves free)")
-    alpha: float = flag(16.0, "the adapters' update B A is scaled by alpha / rank")
+    alpha: float = flag(16.0, "the adapters' update x A B is scaled by alpha / rank")
     dropout: float = flag(0.0, "dropout on the adapters' input, during training")
     targets: str = flag(r"self_attn/[qkvo]_proj|mlp/(gate|up|down)_proj",
                         "regex over parameter paths (layers_0/self_attn/q_proj/kernel): the "

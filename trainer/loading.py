@@ -57,7 +57,7 @@ def load_weights(path, model_cfg: ModelConfig, abstract_params):
     whole = (jax.sharding.NamedSharding(some.mesh, jax.sharding.PartitionSpec())
              if isinstance(some, jax.sharding.NamedSharding) else some)  # adapters are small
     adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
-                            lora_lib.split(shapes, lora_lib.adapter_mask(shapes))[0])
+                            lora_lib.only_adapters(shapes))
     params = checkpoint.load_params(path, lora_lib.join(abstract_params, adapters))
     merged = lora_lib.merged(params, lora)
     return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract_params))

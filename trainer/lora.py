@@ -116,6 +116,11 @@ def adapter_mask(tree):
     return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter(path_str(p)), tree)
 
 
+def only_adapters(tree):
+    """The adapters of a params tree, nothing else."""
+    return split(tree, adapter_mask(tree))[0]
+
+
 def without_adapters(tree):
     """The base model's part of a params tree (what an HF dir or a full checkpoint holds)."""
     return split(tree, adapter_mask(tree))[1]

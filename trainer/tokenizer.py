@@ -12,6 +12,7 @@ The rule, kept here and nowhere else:
     (the same specials around it), then EOS; special-token text becomes its id.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -121,15 +122,17 @@ class Tokenizer:
                 spans.append((at, at + len(piece)))
             text, at = text + piece, at + len(piece)
         ids, mask = self._encode_spans(text, spans)
-        before, after = self._added_around()
+        before, after = self._added_around
         last = int(segments[-1][1])
         ids, mask = before + ids + after, [0] * len(before) + mask + [last] * len(after)
         if ids[-1:] != [self.eos_id]:
             ids, mask = ids + [self.eos_id], mask + [last]
         return ids, mask
 
+    @functools.cached_property
     def _added_around(self):
-        """The ids `encode_text` puts before and after a text's own tokens."""
+        """The ids `encode_text` puts before and after a text's own tokens (computed once:
+        every fields row needs them)."""
         own, full = self.encode("a"), self.encode_text("a")
         i = next(i for i in range(len(full) - len(own) + 1) if full[i:i + len(own)] == own)
         return full[:i], full[i + len(own):]

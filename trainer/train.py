@@ -158,14 +158,15 @@ def init_state(rng, base=None, *, model, optimizer, seq_len, trainable, base_dty
     state. reference: keep a frozen copy of the starting weights (DPO without LoRA)."""
     params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
     if base is not None:
-        params = lora.join(lora.split(params, lora.adapter_mask(params))[0], base)
+        params = lora.join(lora.only_adapters(params), base)
     params = lora.cast_frozen(params, trainable, base_dtype and DTYPES[base_dtype])
-    state = {"params": params, "opt_state": optimizer.init(lora.split(params, trainable)[0]),
+    train_params = lora.split(params, trainable)[0]
+    state = {"params": params, "opt_state": optimizer.init(train_params),
              "step": jnp.int32(0), "rng": jax.random.fold_in(rng, 1), "bad_steps": jnp.int32(0),
              "good_steps": jnp.int32(0), "loss_mean": jnp.float32(0),
              "loss_var": jnp.float32(0)}
     if reference:  # (the frozen weights are their own reference)
-        state["ref_params"] = jax.tree.map(jnp.copy, lora.split(params, trainable)[0])
+        state["ref_params"] = jax.tree.map(jnp.copy, train_params)
     return state
 
 
