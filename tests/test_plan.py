@@ -13,7 +13,7 @@ from trainer import plan
 
 @pytest.mark.parametrize("flags", [(), ("--lora.rank=4", "--lora.base_dtype=bfloat16")])
 def test_plan_state_is_what_a_run_holds_and_the_verdict_flips_at_the_total(flags):
-    cfg, mesh, trainer = build("1,8,1", *flags, batch_size=8)
+    cfg, mesh, trainer = build("1,8,1", "--remat=none", *flags, batch_size=8)
     lines = []
     result = plan.plan(cfg, mesh, out=lines.append)
     with jax.set_mesh(mesh):
@@ -31,6 +31,18 @@ def test_plan_state_is_what_a_run_holds_and_the_verdict_flips_at_the_total(flags
     assert not below["fits"] and above["fits"]
     assert any(l.startswith("does not fit") for l in lines)
     assert any(l.startswith("fits:") for l in lines)
+
+
+def test_remat_auto_is_none_when_the_step_fits_else_full():
+    cfg, mesh, _ = build("1,8,1", batch_size=8, seq_len=256)  # --remat=auto
+    none = plan.plan(cfg, mesh, budget=2 ** 40, out=lambda line: None)
+    lines = []
+    tight = plan.plan(cfg, mesh, budget=none["total"] - 1, out=lines.append)
+    assert lines[0].startswith("remat: full (--remat=auto; without it the step needs")
+    assert "remat full" in lines[1] and tight["total"] < none["total"] and tight["fits"]
+    lines = []
+    plan.plan(cfg, mesh, out=lines.append)  # no budget on CPU: remat stays off
+    assert lines[0] == "remat: none (--remat=auto; this backend has no fixed memory budget)"
 
 
 def test_plan_command_line(tmp_path):

@@ -136,8 +136,12 @@ class TrainConfig:
     seed: int = flag(0, "seed for init and data order")
     dtype: Dtype = flag("float32", "compute dtype")
     param_dtype: Dtype = flag("float32", "parameter (and optimizer state) dtype")
-    remat: Literal[("none",) + tuple(REMAT_POLICIES)] = flag(
-        "none", "activation checkpointing per block: what each block keeps for the backward pass")
+    remat: Literal[("auto", "none") + tuple(REMAT_POLICIES)] = flag(
+        "auto", "activation checkpointing per block: what each block keeps for the backward "
+        "pass (auto: none when the step fits the device's memory, else full)")
+    scan_layers: Literal["auto", "true", "false"] = flag(
+        "auto", "run the layers as one scan, so the step's memory follows one layer "
+        "(auto: when the weights are split over devices, fsdp x tp > 1, or remat is on)")
     attention: Literal[IMPLEMENTATIONS] = flag(
         "auto", "attention kernel (auto: cudnn on GPU in bf16, splash on TPU, else blockwise)")
     loss_chunk: int = flag(0, "sequence positions per cross-entropy chunk, so that full logits "

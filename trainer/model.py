@@ -368,6 +368,42 @@ class Transformer(nn.Module):
     attention_impl: str = "auto"  # one of attention.IMPLEMENTATIONS
     loss_chunk: int = 0  # sequence positions per loss chunk (0: no chunks)
     lora: object = None  # config.LoraConfig: adapters on the layers --lora.targets names
+    scan_layers: bool = False
+
+    def _scanned_blocks(self, x, positions, q_slots, segment_ids):
+        """The layers as one lax.scan, for training. Unrolled, XLA may gather every layer's
+        weights and hold every layer's full-size gradients at once; in a loop it can only
+        work on one layer at a time, so the step's memory follows one layer plus the block
+        inputs that remat keeps. Layers repeat with a period (Gemma: five sliding, one
+        full); the scan runs over whole periods, and leftover layers run after it."""
+        cfg, n = self.cfg, self.cfg.num_hidden_layers
+        period = layer_period(cfg.layer_types)
+        params = [self.variables["params"][f"layers_{i}"] for i in range(n)]
+        rngs = (list(jax.random.split(self.make_rng("dropout"), n))
+                if self.has_rng("dropout") else [None] * n)
+        blocks = [Block(cfg, layer_type, self.dtype, self.param_dtype, self.attention_impl,
+                        self.lora, parent=None) for layer_type in cfg.layer_types[:period]]
+
+        def layer(block, x, layer_params, rng):
+            return block.apply({"params": layer_params}, x, positions, q_slots, segment_ids,
+                               rngs={} if rng is None else {"dropout": rng})[0]
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], static_argnums=0,
+                                   prevent_cse=False)
+
+        def one_period(x, period_params):
+            for block, (layer_params, rng) in zip(blocks, period_params):
+                x = layer(block, x, layer_params, rng)
+            return x, None
+
+        scanned = n // period * period
+        stacked = [jax.tree.map(lambda *leaves: jnp.stack(leaves),
+                                *[(params[i], rngs[i]) for i in range(j, scanned, period)])
+                   for j in range(period)]
+        x, _ = jax.lax.scan(one_period, x, stacked)
+        for i in range(scanned, n):
+            x = layer(blocks[i % period], x, params[i], rngs[i])
+        return x
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, kv_cache=None, cache_index=0,
@@ -381,19 +417,23 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-        # Look rows up in a table split over vocab only: gathered over fsdp like any FSDP
-        # weight, so XLA need not copy the whole [B, T, D] lookup onto every device.
-        table = constrain(embed.embedding, ("vocab", None))  # [V, D]
-        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        # The table (and the tied head) is split by rows over every weight-splitting mesh
+        # axis: each device looks up, and scores, only its own slice of the vocab, so no
+        # device ever holds the whole table or its gradient; only activations move.
+        table = constrain(embed.embedding.astype(self.dtype), ("vocab_rows", None))  # [V, D]
+        x = jnp.take(table, tokens, axis=0)
         if cfg.switches.scale_embeddings:  # sqrt(D), rounded to the weights' dtype as in HF
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(self.dtype)
         x = constrain(x, ("batch", "seq", "embed"))  # [B, T, D]
 
+        scan = self.scan_layers and kv_cache is None and not self.is_initializing()
+        if scan:
+            x = self._scanned_blocks(x, positions, q_slots, segment_ids)
         block_cls = Block
         if self.remat != "none" and kv_cache is None:
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
         new_cache = []
-        for i, layer_type in enumerate(cfg.layer_types):
+        for i, layer_type in enumerate([] if scan else cfg.layer_types):
             layer_cache = kv_cache[i] if kv_cache is not None else None
             x, layer_cache = block_cls(cfg, layer_type, self.dtype, self.param_dtype,
                                        self.attention_impl, self.lora, name=f"layers_{i}")(
@@ -402,17 +442,19 @@ class Transformer(nn.Module):
 
         x = _norm(cfg, self.dtype, self.param_dtype, "norm")(x)
         if cfg.tie_word_embeddings:
-            head = embed.embedding.T  # [D, V]
+            head = table.T  # [D, V]
         else:
             head, _, _ = LinearParams(cfg.vocab_size, False, self.param_dtype, name="lm_head")(
                 cfg.hidden_size)
+            head = constrain(head.astype(self.dtype), (None, "vocab_rows"))
 
         def logits_of(h):  # [B, C, D] -> [B, C, V] float32
-            logits = project(h, head.astype(self.dtype)).astype(jnp.float32)
+            h = constrain(h, ("replica_batch", "seq", "embed"))
+            logits = project(h, head).astype(jnp.float32)
             if cfg.final_logit_softcapping:  # Gemma: squash logits smoothly into (-cap, cap)
                 cap = cfg.final_logit_softcapping
                 logits = jnp.tanh(logits / cap) * cap
-            return constrain(logits, ("batch", "seq", "vocab"))
+            return constrain(logits, ("replica_batch", "seq", "vocab_rows"))
 
         if targets is not None:
             return chunked_cross_entropy(logits_of, x, targets, loss_mask, self.loss_chunk,
@@ -420,6 +462,13 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             return logits_of(x), new_cache
         return logits_of(x)
+
+
+def layer_period(layer_types):
+    """The shortest p such that the layer types repeat every p layers (1: all alike)."""
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1)
+                if all(layer_types[i] == layer_types[i % p] for i in range(n)))
 
 
 def chunked_cross_entropy(logits_of, x, targets, mask, chunk, per_row=False):
@@ -457,12 +506,13 @@ def loss_chunk_for(batch_size, seq_len, vocab_size, budget=2 ** 24):
 
 
 def build_model(model_cfg: ModelConfig, dtype="float32", param_dtype="float32", remat="none",
-                attention_impl="auto", loss_chunk=0, lora=None):
+                attention_impl="auto", loss_chunk=0, lora=None, scan_layers=False):
     """The Transformer for a model config, computing in `dtype`, storing `param_dtype`;
     lora (config.LoraConfig with rank > 0) adds adapters."""
     return Transformer(model_cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype],
                        remat=remat, attention_impl=attention_impl, loss_chunk=loss_chunk,
-                       lora=lora if lora is not None and lora.rank else None)
+                       lora=lora if lora is not None and lora.rank else None,
+                       scan_layers=scan_layers)
 
 
 def init_kv_cache(cfg: ModelConfig, batch_size, max_len, dtype=jnp.float32):

@@ -24,7 +24,7 @@ import tempfile
 import jax
 import numpy as np
 
-from trainer import data, flags, lora, sharding, train
+from trainer import flags, lora, sharding, train
 from trainer.errors import UserError
 from trainer.flags import ConfigError
 from trainer.model import DTYPES
@@ -145,10 +145,8 @@ def advice(cfg, mesh_shape, state, temp, budget, loss_chunk):
 def plan(cfg, mesh, budget=None, out=print):
     """Compile cfg's train step on mesh with abstract shapes and report; returns a dict of
     the per-device figures (bytes) and, with budget, 'fits'."""
-    trainer = train.Trainer(cfg, mesh)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=trainer.batch_sharding)
-             for k, (shape, dtype) in data.batch_shapes(cfg.data, cfg.batch_size,
-                                                        cfg.seq_len).items()}
+    trainer = train.make_trainer(cfg, mesh, budget, out)
+    cfg = trainer.cfg  # with --remat and --scan_layers decided
     state = trainer.abstract_state
     parts = {"params": per_device_bytes(state["params"]),
              "optimizer": per_device_bytes(state["opt_state"]),
@@ -156,16 +154,12 @@ def plan(cfg, mesh, budget=None, out=print):
                                         if k not in ("params", "opt_state")})}
     dump = tempfile.mkdtemp(prefix="meshlm-plan-")
     with jax.set_mesh(mesh):
-        compiled = trainer.step_fn.lower(state, batch).compile(
-            {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"})
+        compiled = trainer.compile_abstract({"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"})
     memory = compiled.memory_analysis()
     state_bytes = sum(parts.values())
-    batch_bytes = per_device_bytes(batch)
+    batch_bytes = memory.argument_size_in_bytes - state_bytes
     temp = memory.temp_size_in_bytes
-    # Arguments (state + batch) and temporaries are live at the peak; the new state is
-    # written into the donated old one.
-    total = memory.argument_size_in_bytes + temp + max(
-        0, memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    total = train.step_bytes(memory)
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
     trains = sum(x.size for x in jax.tree.leaves(lora.split(state["params"],
                                                             trainer.trainable)[0]))
@@ -175,7 +169,8 @@ def plan(cfg, mesh, budget=None, out=print):
     out(f"plan: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh "
         f"dp,fsdp,tp = {shape} over {mesh.size} {jax.devices()[0].platform} devices; "
         f"batch {cfg.batch_size} x seq {cfg.seq_len}, grad_accum {cfg.grad_accum}, "
-        f"dtype {cfg.dtype}, remat {cfg.remat}")
+        f"dtype {cfg.dtype}, remat {cfg.remat}, layers "
+        f"{'scanned' if cfg.scan_layers == 'true' else 'unrolled'}")
     rows = [*((f"state: {name}", value, None) for name, value in parts.items()),
             ("state total", state_bytes, est_state), ("batch", batch_bytes, None),
             ("temporaries", temp, est_temp), ("total", total, est_state + est_temp)]

@@ -53,6 +53,8 @@ LOGICAL_AXES = {
     "heads": "tp",
     "mlp": "tp",
     "vocab": "tp",
+    "vocab_rows": ("tp", "fsdp"),  # the embedding table's rows, for lookup and scoring
+    "replica_batch": "dp",  # the batch where fsdp shards take all rows (vocab-split scoring)
 }
 
 

@@ -67,7 +67,7 @@ def make_objective(cfg, model, trainable):
 
 
 def train_step(state, batch, *, objective, trainable, optimizer, schedule, grad_accum,
-               spike_sigma, dropout=False, nan_steps=()):
+               spike_sigma, dropout=False, nan_steps=(), grad_shardings=None, inspect=None):
     """One optimizer step over the global batch, in grad_accum micro-batches.
 
     state: {'params', 'opt_state', 'step', 'rng', 'bad_steps', 'loss_mean', 'loss_var'}
@@ -79,10 +79,15 @@ def train_step(state, batch, *, objective, trainable, optimizer, schedule, grad_
     update and counts a bad step; a good step resets the count.
     nan_steps (testing aid, --debug_nan_steps): steps, numbered as logged, whose loss and
     gradients are made NaN.
+    grad_shardings: the trainable params' shardings: gradients and their float32 sums are
+    held split like their parameters from the moment they exist, never whole on a device. inspect(name, tree) (testing aid) sees them inside the step.
     """
     poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(nan_steps, jnp.int32)),
                        jnp.nan, 1.0) if nan_steps else 1.0
     train_params, frozen_params = lora.split(state["params"], trainable)
+    like_params = ((lambda tree: tree) if grad_shardings is None else
+                   (lambda tree: jax.lax.with_sharding_constraint(tree, grad_shardings)))
+    inspect = inspect or (lambda name, tree: None)
 
     def micro_loss(train_params, micro, index):
         rng = jax.random.fold_in(state["rng"], index) if dropout else None
@@ -94,12 +99,16 @@ def train_step(state, batch, *, objective, trainable, optimizer, schedule, grad_
         grad_sum, loss_sum, count, sums_total = carry
         (loss, (n, sums)), grads = jax.value_and_grad(micro_loss, has_aux=True)(
             train_params, *micro_and_index)
-        grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+        grads = like_params(grads)
+        inspect("grads", grads)
+        grad_sum = like_params(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum,
+                                            grads))
+        inspect("grad_sum", grad_sum)
         sums_total = {k: sums_total[k] + sums[k] for k in sums_total}
         return (grad_sum, loss_sum + loss, count + n, sums_total), None
 
     # Gradients add up in float32, whatever the parameter dtype.
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train_params)
+    zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train_params))
     carry = (zeros, jnp.float32(0), jnp.float32(0),
              {k: jnp.float32(0) for k in objective.metrics})
     if grad_accum == 1:  # no loop: XLA fuses the backward pass with what follows
@@ -337,6 +346,14 @@ class Trainer:
     files, so tests can build one per mesh. Call its functions under jax.set_mesh(mesh)."""
 
     def __init__(self, cfg, mesh):
+        # --remat=auto compiles as none here; make_trainer decides it by the device's memory.
+        # Scanned layers are what bound memory (see model.Transformer._scanned_blocks); on
+        # one device without remat, unrolled layers run faster.
+        scan = cfg.scan_layers == "true" or (cfg.scan_layers == "auto" and (
+            mesh.shape["fsdp"] * mesh.shape["tp"] > 1 or cfg.remat not in ("auto", "none")))
+        cfg = dataclasses.replace(cfg, remat="none" if cfg.remat == "auto" else cfg.remat,
+                                  scan_layers=str(scan).lower())
+        self.cfg = cfg
         batch_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
         rows_per_device = cfg.batch_size // cfg.grad_accum // batch_shards
         if cfg.data.format == "preference":
@@ -344,7 +361,7 @@ class Trainer:
         chunk = cfg.loss_chunk or loss_chunk_for(rows_per_device, cfg.seq_len,
                                                  cfg.model.vocab_size)
         self.model = build_model(cfg.model, cfg.dtype, cfg.param_dtype, cfg.remat, cfg.attention,
-                                 chunk, cfg.lora)
+                                 chunk, cfg.lora, scan)
         self.optimizer, self.schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
         self.rng = jax.random.PRNGKey(cfg.seed)
         param_shapes = jax.eval_shape(self.model.init, self.rng,
@@ -365,17 +382,28 @@ class Trainer:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         # A fresh state is created in its sharded layout: no device ever holds all of it.
         self._init = jax.jit(init_fn, out_shardings=self.state_shardings)
-        self.step_fn = jax.jit(
-            functools.partial(train_step, objective=objective, trainable=self.trainable,
+        self.step_args = dict(objective=objective, trainable=self.trainable,
                               optimizer=self.optimizer, schedule=self.schedule,
                               grad_accum=cfg.grad_accum, spike_sigma=cfg.spike_sigma,
                               dropout=bool(cfg.lora.rank and cfg.lora.dropout),
-                              nan_steps=cfg.debug_nan_steps),
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+                              nan_steps=cfg.debug_nan_steps,
+                              grad_shardings=lora.split(self.state_shardings["params"],
+                                                        self.trainable)[0])
+        self.step_fn = jax.jit(functools.partial(train_step, **self.step_args),
+                               in_shardings=(self.state_shardings, self.batch_sharding),
+                               out_shardings=(self.state_shardings, replicated),
+                               donate_argnums=0)
         self.eval_fn = jax.jit(lambda state, batch: objective.loss(state["params"], state,
                                                                    batch, None)[:2],
                                in_shardings=(self.state_shardings, self.batch_sharding))
+
+    def compile_abstract(self, options=None):
+        """The step compiled for abstract state and batch shapes: no weights, no data."""
+        cfg = self.cfg
+        batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+                 for k, (shape, dtype) in data.batch_shapes(cfg.data, cfg.batch_size,
+                                                            cfg.seq_len).items()}
+        return self.step_fn.lower(self.abstract_state, batch).compile(options)
 
     def fresh_state(self, base=None):
         """A new train state around random weights, or `base`: the loaded weights of every
@@ -386,6 +414,43 @@ class Trainer:
     def abstract_base(self):
         """What a model source must provide: the params without adapters, sharded."""
         return lora.without_adapters(self.abstract_state["params"])
+
+
+def step_bytes(memory):
+    """Per-device bytes a compiled step needs at its peak (from memory_analysis()): its
+    arguments (state and batch) and temporaries; the new state is written into the
+    donated old one."""
+    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes +
+            max(0, memory.output_size_in_bytes - memory.alias_size_in_bytes))
+
+
+def device_memory():
+    """The memory of one local device in bytes, or None where the backend doesn't say
+    (CPU: host memory, no fixed budget)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return (stats or {}).get("bytes_limit")
+
+
+def make_trainer(cfg, mesh, budget=None, log=print):
+    """The Trainer for cfg, with --remat=auto decided: none when the step compiled without
+    remat fits `budget` bytes per device (default: the device's memory), else full."""
+    trainer = Trainer(cfg, mesh)
+    if cfg.remat != "auto":
+        return trainer
+    budget = budget or device_memory()
+    if budget is None:
+        log("remat: none (--remat=auto; this backend has no fixed memory budget)")
+        return trainer
+    with jax.set_mesh(mesh):
+        needed = step_bytes(trainer.compile_abstract().memory_analysis())
+    gib = lambda n: f"{n / 2 ** 30:.1f} GiB"  # noqa: E731
+    if needed <= budget:
+        log(f"remat: none (--remat=auto; the step needs {gib(needed)} of {gib(budget)} "
+            "per device)")
+        return trainer
+    log(f"remat: full (--remat=auto; without it the step needs {gib(needed)} per device, "
+        f"{gib(budget)} available)")
+    return Trainer(dataclasses.replace(cfg, remat="full"), mesh)
 
 
 # ------------------------------------------------------------------ the run
@@ -411,7 +476,8 @@ def _run(cfg, stop):
             f"model.vocab_size={cfg.model.vocab_size}; pass --model.vocab_size="
             f"{-(-tokenizer.vocab_size // 128) * 128}")
     train_data, val_data = data.load_dataset(cfg.data, tokenizer, cfg.seq_len)
-    trainer = Trainer(cfg, mesh)  # (before any file is written: it checks --lora, --freeze)
+    # (Before any file is written: it checks --lora and --freeze.)
+    trainer = make_trainer(cfg, mesh, log=log)
     prepare_output_dir(cfg)
     mngr = checkpoint.manager(checkpoint.checkpoint_dir(cfg.output_dir), cfg.keep, cfg.keep_every)
     with jax.set_mesh(mesh), BatchFeed(cfg, train_data, trainer.batch_sharding) as feed:
@@ -568,13 +634,15 @@ def compile_step(cfg, trainer, state, example, mesh, log):
                         if x.ndim >= 2 and (cfg.model.tie_word_embeddings or
                                             not sharding.path_str(p).endswith("embedding")))
     flops = analytic_flops_per_step(cfg, frozen_matmul)
-    xla = xla_flops_per_step(compiled, mesh.size, cfg.grad_accum)
+    # (XLA counts a loop body once: with scanned layers its figure is no cross-check.)
+    xla = (f"XLA {xla_flops_per_step(compiled, mesh.size, cfg.grad_accum):.3g}"
+           if trainer.cfg.scan_layers == "false" else "layers scanned")
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
     trains = sum(x.size for x in jax.tree.leaves(trainable))
     kernel = attention.choose(cfg.attention, DTYPES[cfg.dtype], cfg.seq_len, cfg.model.head_dim)
     log(f"model: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh dp,fsdp,tp = "
         f"{tuple(mesh.shape.values())} over {jax.device_count()} devices; attention: {kernel}; "
-        f"FLOPs/step analytic {flops:.3g}, XLA {xla:.3g}")
+        f"FLOPs/step analytic {flops:.3g}, {xla}")
     return compiled, flops
 
 

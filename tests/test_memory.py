@@ -1,0 +1,106 @@
+"""Memory that follows the math: the scanned layers compute what the unrolled ones do; the
+compiled step's temporaries grow with depth only by the added layers' sharded state and
+block inputs; gradients and their sums inside the step are split like their parameters."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from test_model import init, tiny
+from test_sharding import abstract_batch, build
+from trainer import lora, train
+from trainer.model import batch_loss, layer_period
+
+GEMMA_TYPES = ("sliding_attention", "sliding_attention", "full_attention") * 2
+
+
+def test_layer_period():
+    assert layer_period(("full_attention",) * 4) == 1
+    assert layer_period(GEMMA_TYPES[:5]) == 3  # one whole period, then two layers after it
+    assert layer_period(("full_attention", "sliding_attention", "sliding_attention")) == 3
+
+
+@pytest.mark.parametrize("family, remat", [("llama", "none"), ("gemma3_text", "full")])
+def test_scanned_layers_equal_unrolled(family, remat):
+    overrides = {} if family == "llama" else dict(
+        model_type="gemma3_text", num_hidden_layers=5, sliding_window=4,
+        layer_types=GEMMA_TYPES[:5])
+    cfg = tiny(**overrides)
+    unrolled, params = init(cfg, remat=remat)
+    scanned = unrolled.clone(scan_layers=True)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 17), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((2, 16), np.float32),
+             # two packed documents in the first row
+             "segment_ids": np.array([[0] * 6 + [1] * 10, [0] * 16], np.int32),
+             "positions": np.array([list(range(6)) + list(range(10)), list(range(16))],
+                                   np.int32)}
+
+    def loss_and_grads(model):
+        f = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch)[0]))
+        return jax.device_get(f(params))
+
+    (loss_u, grads_u), (loss_s, grads_s) = loss_and_grads(unrolled), loss_and_grads(scanned)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    for g_s, g_u in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads_u)):
+        assert np.max(np.abs(g_s - g_u)) <= 1e-5 * np.max(np.abs(g_u))
+    assert jax.tree.structure(grads_s) == jax.tree.structure(params)
+
+
+def compiled_temporaries(layers, scan):
+    cfg, mesh, trainer = build("1,8,1", "--model.hidden_size=256",
+                               "--model.intermediate_size=512",
+                               "--model.num_attention_heads=4", "--model.vocab_size=32000",
+                               f"--model.num_hidden_layers={layers}", "--remat=full",
+                               f"--scan_layers={scan}", batch_size=8, seq_len=256)
+    with jax.set_mesh(mesh):
+        memory = trainer.compile_abstract().memory_analysis()
+    per_layer_params = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(
+        trainer.abstract_state["params"])[0] if "layers_0/" in jax.tree_util.keystr(p)
+        .replace("']['", "/"))
+    return memory.temp_size_in_bytes, per_layer_params, cfg
+
+
+@pytest.mark.slow
+def test_temporaries_grow_by_the_added_layers_state_and_checkpoints_only():
+    """16 versus 8 layers on 1,8,1: each added layer may add its sharded state (weights and
+    two Adam moments, float32, over 8 devices) and its block input (one row of seq x
+    hidden); a full-size copy of its weights would be 8/3 of that state alone."""
+    temp_8, per_layer, cfg = compiled_temporaries(8, "true")
+    temp_16, _, _ = compiled_temporaries(16, "true")
+    sharded_state = per_layer * (4 + 8) / 8
+    block_input = 1 * cfg.seq_len * cfg.model.hidden_size * 4
+    allowed = 8 * (sharded_state + block_input)
+    grew = temp_16 - temp_8
+    print(f"temporaries: 8 layers {temp_8 / 2**20:.1f} MiB, 16 layers {temp_16 / 2**20:.1f} MiB;"
+          f" grew {grew / 2**20:.1f} MiB, allowed {allowed / 2**20:.1f} MiB")
+    assert grew <= allowed
+
+
+def test_gradients_and_their_sums_are_split_like_their_parameters():
+    cfg, mesh, trainer = build("1,4,2", "--grad_accum=2", "--lora.rank=0", batch_size=16)
+    seen = {}
+
+    def inspect(name, tree):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            jax.debug.inspect_array_sharding(
+                leaf, callback=functools.partial(seen.__setitem__, (name, path)))
+
+    step = jax.jit(functools.partial(train.train_step, **{**trainer.step_args,
+                                                          "inspect": inspect}),
+                   in_shardings=(trainer.state_shardings, trainer.batch_sharding))
+    with jax.set_mesh(mesh):
+        step.lower(trainer.abstract_state, abstract_batch(trainer)).compile()
+    expected = dict(jax.tree_util.tree_flatten_with_path(
+        lora.split(trainer.state_shardings["params"], trainer.trainable)[0])[0])
+    assert {name for name, _ in seen} == {"grads", "grad_sum"}
+    assert len(seen) == 2 * len(expected)
+    split = 0
+    for (name, path), sharding in seen.items():
+        want = expected[path]
+        assert sharding.is_equivalent_to(want, len(want.spec) or 1), (name, path, sharding)
+        split += not sharding.is_fully_replicated
+    assert split > len(expected) // 2  # most weights are split: the check has teeth
