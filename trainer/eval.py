@@ -81,7 +81,8 @@ def run_tasks(cfg, data_given):
         from lm_eval.utils import make_table
         from trainer import harness
     except ImportError as e:
-        raise ConfigError(f"--tasks needs lm-eval-harness ({e.name} is not installed): "
+        missing = (e.name or "?").split(".")[0]
+        raise ConfigError(f"--tasks needs lm-eval-harness ({missing} is not installed): "
                           'pip install -e ".[eval]"') from None
     manager = harness.task_manager(cfg.tasks, cfg.include_path)
     model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
