@@ -95,6 +95,28 @@ def test_adapter_matches_lm_eval_hf(hf_dir, tasks_dir):
     assert harness._token_scores._cache_size() <= 1 + math.log2(256 / harness.MIN_BUCKET)
 
 
+def test_chat_template_prompts_match_lm_eval_hf(hf_dir, tasks_dir):
+    """--apply_chat_template: few-shot turns as a conversation in the tokenizer's template,
+    the same prompts and scores as lm-eval's hf model."""
+    from trainer import harness, loading
+    tasks = "meshlm_choice,meshlm_gen"
+    manager = harness.task_manager(tasks, tasks_dir)
+    lm = harness.MeshLM(*loading.load_model(hf_dir), batch_size=4)
+    kwargs = dict(apply_chat_template=True, num_fewshot=2, limit=4, log_samples=True)
+    ours = harness.run_tasks(lm, tasks, manager, **kwargs)
+    theirs = hf_results(hf_dir, tasks, manager, **kwargs)
+    assert_same_metrics(ours, theirs)
+    for task in tasks.split(","):
+        for a, b in zip(ours["samples"][task], theirs["samples"][task]):
+            assert a["arguments"] == b["arguments"]
+            assert "<|im_start|>assistant" in a["arguments"][0][0]
+            if task == "meshlm_gen":
+                assert a["resps"] == b["resps"]
+            else:
+                assert np.allclose([r[0][0] for r in a["resps"]], [r[0][0] for r in b["resps"]],
+                                   rtol=0, atol=1e-4)
+
+
 def test_eval_cli_runs_readme_tasks_on_a_checkpoint(hf_dir, tmp_path, cli):
     """The README's lm-eval command on a meshlm checkpoint: lm-eval's table, then a JSON last
     line with the scores lm-eval's hf model gives the HF dir it was converted from."""

@@ -49,6 +49,8 @@ class EvalFlags:
     include_path: str = flag("", "a directory of your own task YAMLs (e.g. over local JSONL)")
     gen_kwargs: str = flag("", "override the tasks' generation settings, e.g. "
                            "'max_gen_toks=64,until=###'")
+    max_length: int = flag(0, "with --tasks, the context in tokens: longer requests are cut "
+                           "from the left (0: the model's max_position_embeddings)")
     apply_chat_template: bool = flag(False, "prompt through the tokenizer's chat template")
     output_path: str = flag("", "write lm-eval's results JSON (and with --log_samples each "
                             "document's prompts and responses) under this directory")
@@ -86,7 +88,11 @@ def run_tasks(cfg, data_given):
                           'pip install -e ".[eval]"') from None
     manager = harness.task_manager(cfg.tasks, cfg.include_path)
     model, params, tokenizer = loading.load_model(cfg.checkpoint, cfg.tokenizer, cfg.dtype)
-    lm = harness.MeshLM(model, params, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed)
+    if cfg.max_length > model.cfg.max_position_embeddings:
+        raise ConfigError(f"--max_length={cfg.max_length} is longer than the model's "
+                          f"max_position_embeddings={model.cfg.max_position_embeddings}")
+    lm = harness.MeshLM(model, params, tokenizer, batch_size=cfg.batch_size,
+                        max_length=cfg.max_length, seed=cfg.seed)
     results = harness.run_tasks(lm, cfg.tasks, manager, num_fewshot=cfg.num_fewshot,
                                 limit=cfg.limit or None, gen_kwargs=cfg.gen_kwargs or None,
                                 apply_chat_template=cfg.apply_chat_template,

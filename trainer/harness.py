@@ -34,8 +34,8 @@ def bucket(length, max_length):
 def _token_scores(model, params, tokens, targets):
     """tokens, targets [B, T] -> (log p(target) [B, T], target is the argmax [B, T])."""
     logits = model.apply({"params": params}, tokens)  # [B, T, V] float32
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    target_logp = target_logits - jax.nn.logsumexp(logits, axis=-1)  # no [B, T, V] log_softmax
     return target_logp, jnp.argmax(logits, axis=-1) == targets
 
 
@@ -75,7 +75,11 @@ class MeshLM(TemplateLM):
         return self.tok.encode_text(string) if add_special_tokens else self.tok.encode(string)
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
-        return self.tok.render_chat(chat_history, add_generation_prompt)
+        text = self.tok.render_chat(chat_history, add_generation_prompt)
+        if not add_generation_prompt:  # the last message is a prefill to continue, unclosed
+            last = chat_history[-1]["content"]
+            text = text[:text.rindex(last) + len(last)] if last in text else text
+        return text
 
     def chat_template(self, chat_template=False):
         return getattr(self.tok, "chat_template", None)
