@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 
 import numpy as np

@@ -20,6 +20,7 @@ from lm_eval.models.utils import normalize_gen_kwargs
 
 from trainer.errors import UserError
 from trainer.generate import generate
+from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE
 
 MIN_BUCKET = 16  # the shortest padded row length
 
@@ -82,7 +83,8 @@ class MeshLM(TemplateLM):
         return text
 
     def chat_template(self, chat_template=False):
-        return getattr(self.tok, "chat_template", None)
+        """The template --apply_chat_template renders with (lm-eval records it)."""
+        return getattr(self.tok, "chat_template", BUILTIN_CHAT_TEMPLATE)
 
     # ------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
@@ -144,11 +146,13 @@ class MeshLM(TemplateLM):
             kwargs = normalize_gen_kwargs(requests[indices[0]].args[1], 256)
             until, max_new = kwargs["until"], kwargs["max_gen_toks"]
             if max_new >= self.max_length:
-                raise UserError(f"a task asks for max_gen_toks={max_new}, more than the "
-                                f"model's context of {self.max_length} tokens")
+                raise UserError(f"a task asks for max_gen_toks={max_new}, not less than the "
+                                f"context of {self.max_length} tokens; pass a smaller "
+                                "--gen_kwargs=max_gen_toks=N (or a larger --max_length)")
             sampled = kwargs["do_sample"] and kwargs["temperature"] > 0
+            # An empty context (no BOS to add) starts from the prefix token, as in scoring.
             prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):]
-                       for i in indices}
+                       or [self.prefix_token_id] for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))
             for start in range(0, len(order), self._batch_size):
                 chunk = order[start:start + self._batch_size]
