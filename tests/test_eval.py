@@ -73,11 +73,14 @@ def test_adapter_matches_lm_eval_hf(hf_dir, tasks_dir):
     samples = {t: [(a, b) for a, b in zip(ours["samples"][t], theirs["samples"][t])]
                for t in tasks.split(",")}
     assert [len(s) for s in samples.values()] == [12, 8, 4]
+    worst = 0.0
     for a, b in samples["meshlm_choice"]:
         assert a["doc_id"] == b["doc_id"] and len(a["resps"]) == 4
         for (ll_a, greedy_a), (ll_b, greedy_b) in zip(*(
                 [r[0] for r in s["resps"]] for s in (a, b))):
             assert abs(ll_a - ll_b) < 1e-4 and greedy_a == greedy_b
+            worst = max(worst, abs(ll_a - ll_b))
+    print(f"multiple choice: largest log-likelihood difference {worst:.1e}")
     generated = [(a["resps"][0][0], b["resps"][0][0]) for a, b in samples["meshlm_gen"]]
     print("generated:", generated)
     assert all(x == y for x, y in generated)
@@ -86,6 +89,7 @@ def test_adapter_matches_lm_eval_hf(hf_dir, tasks_dir):
         # A document's sum over ~600 tokens, accumulated in float32 by transformers.
         ll_a, ll_b = a["resps"][0][0], b["resps"][0][0]
         assert abs(ll_a - ll_b) <= 1e-6 * abs(ll_b), (ll_a, ll_b)
+        print(f"rolling: {ll_a:.4f} vs hf {ll_b:.4f}")
     longest = max(len(lm.tok_encode(json.loads(line)["text"]))
                   for line in open(os.path.join(TASKS, "text.jsonl")))
     assert longest > 2 * lm.max_length  # several rolling windows per document

@@ -148,7 +148,7 @@ class MeshLM(TemplateLM):
             if max_new >= self.max_length:
                 raise UserError(f"a task asks for max_gen_toks={max_new}, not less than the "
                                 f"context of {self.max_length} tokens; pass a smaller "
-                                "--gen_kwargs=max_gen_toks=N (or a larger --max_length)")
+                                "--gen_kwargs=max_gen_toks=N")
             sampled = kwargs["do_sample"] and kwargs["temperature"] > 0
             # An empty context (no BOS to add) starts from the prefix token, as in scoring.
             prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):]
