@@ -161,9 +161,13 @@ def test_eval_cli_runs_readme_tasks_on_a_checkpoint(hf_dir, tmp_path, cli):
     (["--tasks=meshlm_choice", "--data=x.jsonl"], "--data and --tasks are two modes"),
     (["--tasks=meshlm_choice", "--log_samples"], "pass --output_path=DIR too"),
     (["--tasks=meshlm_choice", "--include_path=/no/such/dir"], "/no/such/dir: no such directory"),
+    # Run elsewhere than the repo root, the committed tasks' data paths lead nowhere.
+    (["--tasks=meshlm_choice", f"--include_path={TASKS}"],
+     "cannot load a task's data: Unable to find"),
 ])
-def test_task_errors_are_one_line(hf_dir, argv, message):
+def test_task_errors_are_one_line(hf_dir, argv, message, tmp_path, monkeypatch):
     from trainer import eval as eval_cli
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         eval_cli.main([f"--checkpoint={hf_dir}", *argv])
     assert str(e.value.code).startswith("error: ") and message in str(e.value.code)

@@ -18,7 +18,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from trainer.errors import UserError
+from trainer.errors import UserError, one_line
 from trainer.generate import generate
 from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE
 
@@ -209,11 +209,15 @@ def run_tasks(lm, tasks, manager, num_fewshot=None, limit=None, gen_kwargs=None,
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     tracker = EvaluationTracker(output_path=output_path) if output_path else None
-    results = lm_eval.simple_evaluate(
-        model=lm, model_args={"pretrained": model_name}, tasks=task_names(tasks),
-        num_fewshot=num_fewshot, limit=limit, gen_kwargs=gen_kwargs, task_manager=manager,
-        apply_chat_template=apply_chat_template, log_samples=log_samples,
-        evaluation_tracker=tracker)
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, model_args={"pretrained": model_name}, tasks=task_names(tasks),
+            num_fewshot=num_fewshot, limit=limit, gen_kwargs=gen_kwargs, task_manager=manager,
+            apply_chat_template=apply_chat_template, log_samples=log_samples,
+            evaluation_tracker=tracker)
+    except OSError as e:  # a task's data files missing, or its hub dataset out of reach
+        raise UserError(f"--tasks={tasks}: cannot load a task's data: {one_line(e)} (a task "
+                        "YAML's local data_files are read from the current directory)") from None
     if tracker:
         samples = results.pop("samples", {})
         tracker.save_results_aggregated(results=results,
