@@ -19,12 +19,19 @@ from conftest import REPO
 from tiny_hf import make_hf_dir, torch_logits
 
 TASKS = os.path.join(REPO, "tests", "tasks")
+STOP_ID = 52  # "P" in tiny_hf's BPE vocabulary
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
+    import transformers
     path = str(tmp_path_factory.mktemp("hf") / "llama")
     make_hf_dir(path, "llama_gqa")  # BPE tokenizer that puts <s> first, context 256
+    # Several end tokens, as Llama 3 Instruct's generation_config.json lists them: "P", which
+    # these random weights generate, ends a generation too.
+    config = transformers.GenerationConfig.from_pretrained(path)
+    config.eos_token_id = [config.eos_token_id, STOP_ID]
+    config.save_pretrained(path)
     return path
 
 
@@ -85,6 +92,9 @@ def test_adapter_matches_lm_eval_hf(hf_dir, tasks_dir):
     print("generated:", generated)
     assert all(x == y for x, y in generated)
     assert min(len(x) for x, _ in generated) < 4 < max(len(x) for x, _ in generated)
+    assert lm.tok.decode([STOP_ID]) == "P" and STOP_ID in lm.stop_ids
+    ended = [x for x, _ in generated if "P" in x]
+    assert ended and all(x.endswith("P") for x in ended)  # the extra end token ended them
     for a, b in samples["meshlm_text"]:
         # A document's sum over ~600 tokens, accumulated in float32 by transformers.
         ll_a, ll_b = a["resps"][0][0], b["resps"][0][0]
