@@ -73,6 +73,7 @@ def test_adapter_matches_lm_eval_hf(hf_dir, tasks_dir):
     until = {"until": ["\n", ".", "t", "l"]}
     model, params, tok = loading.load_model(hf_dir)
     lm = harness.MeshLM(model, params, tok, batch_size=3)  # odd: partial, padded batches
+    harness._token_scores.clear_cache()  # count this run's compilations only
     ours = harness.run_tasks(lm, tasks, manager, gen_kwargs=until, log_samples=True)
     theirs = hf_results(hf_dir, tasks, manager, gen_kwargs=until, log_samples=True)
 
