@@ -28,9 +28,12 @@ setup(
         "ml_dtypes",
     ],
     extras_require={
-        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2"],
+        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2",
+                 "lm-eval==0.4.13"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "serve": [],
+        # lm-eval-harness tasks (python -m trainer.eval --tasks=...); lm-eval pulls torch
+        "eval": ["lm-eval==0.4.13"],
     },
 )
