@@ -291,6 +291,11 @@ class TextStream:
         """-> the text held back, at the end of generation (no stop string came)."""
         return "" if self.stopped else self._send(self.tokenizer.decode(self.ids))
 
+    def text(self):
+        """The whole reply, decoded at once and cut before the first stop string."""
+        text = self.tokenizer.decode(self.ids)
+        return text[:min([text.find(s) for s in self.stop if s in text], default=len(text))]
+
     def _send(self, text):
         if not text.startswith(self.sent):  # a later token changed earlier text: wait
             return ""
@@ -363,17 +368,19 @@ class Engine:
         self.steps = 0  # decode steps run (the benchmark reads it)
         threading.Thread(target=self._loop, daemon=True, name="meshlm-engine").start()
 
-    def submit(self, request):
-        """Queue a request; raises QueueFull when max_queue requests already wait, and
-        ConfigError when it can't fit the context."""
-        _check_prompts([request.prompt], request.max_new_tokens, self.max_len)
+    def submit(self, *requests):
+        """Queue requests, all or none; raises QueueFull when they would make more than
+        max_queue wait, and ConfigError when one can't fit the context."""
+        for r in requests:
+            _check_prompts([r.prompt], r.max_new_tokens, self.max_len)
         with self.lock:
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"the server is busy: {self.max_queue} requests already wait "
-                                "for a decode slot; retry shortly")
-            self.pending.append(request)
+            if len(self.pending) + len(requests) > self.max_queue:
+                raise QueueFull(f"the server is busy: {len(self.pending)} requests already "
+                                f"wait for a decode slot (the limit is {self.max_queue}); "
+                                "retry shortly")
+            self.pending.extend(requests)
             self.lock.notify()
-        return request
+        return requests[0] if len(requests) == 1 else requests
 
     def load(self):
         """(requests decoding, requests waiting)."""
