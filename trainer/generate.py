@@ -19,6 +19,7 @@ With a mesh (`--mesh=dp,fsdp,tp`), weights are sharded by the training rules
 """
 
 import functools
+import os
 import queue
 import sys
 import threading
@@ -366,6 +367,9 @@ class Engine:
         self.pending = []
         self.lock = threading.Condition()
         self.steps = 0  # decode steps run (the benchmark reads it)
+        # Test aid: seconds to wait after each step, so that a browser can watch a tiny
+        # model's tokens arrive one by one (tests/test_serve.py).
+        self.step_delay = float(os.environ.get("MESHLM_DEBUG_STEP_SECONDS", "0"))
         threading.Thread(target=self._loop, daemon=True, name="meshlm-engine").start()
 
     def submit(self, *requests):
@@ -443,6 +447,8 @@ class Engine:
                                        self.tokens, self.index, self.sampling.arrays())
         out = np.asarray(out)
         self.steps += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
         for slot, r in enumerate(self.active):
             if r is not None:
                 self.index[slot] += 1

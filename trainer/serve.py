@@ -167,8 +167,8 @@ class Service:
         for p, prompt in enumerate(prompts):
             room = context - len(prompt)
             if room < 1:
-                raise ApiError(400, f"the prompt is {len(prompt)} tokens, but the context is "
-                               f"{context} tokens; shorten it", param="messages" if chat
+                raise ApiError(400, f"the prompt is {len(prompt)} tokens, longer than the "
+                               f"context of {context} tokens; shorten it", param="messages" if chat
                                else "prompt", code="context_length_exceeded")
             if asked is not None and asked > room:
                 raise ApiError(400, f"the prompt ({len(prompt)} tokens) + max_tokens={asked} "
