@@ -87,20 +87,28 @@ def sample(logits, temperature, top_k, top_p, keys):
     """logits [B, V] -> token ids [B]. Per row: temperature (0: greedy), top_k (0: off),
     top_p (1: off) and a PRNG key; all traced."""
     V = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1)
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    ordered = jnp.sort(x, axis=-1)[:, ::-1]  # [B, V], likeliest first
-    kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
-    kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
-    x = jnp.where(x < kth, -jnp.inf, x)
-    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly likelier tokens
-    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], ordered, jnp.inf), axis=-1,
-                     keepdims=True)
-    x = jnp.where((top_p[:, None] < 1.0) & (x < cutoff), -jnp.inf, x)
-    sampled = jax.vmap(jax.random.categorical)(keys, x)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def filtered(x):  # top-k, then top-p, over the sorted vocabulary
+        ordered = jnp.sort(x, axis=-1)[:, ::-1]  # [B, V], likeliest first
+        kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
+        kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+        x = jnp.where(x < kth, -jnp.inf, x)
+        ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly likelier tokens
+        cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], ordered, jnp.inf), axis=-1,
+                         keepdims=True)
+        return jnp.where((top_p[:, None] < 1.0) & (x < cutoff), -jnp.inf, x)
+
+    def sampled():
+        x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        # The sort costs as much as a tiny model's step: only when some row filters.
+        x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), filtered, lambda x: x, x)
+        out = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        return jnp.where(temperature > 0, out, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
 @dataclass
