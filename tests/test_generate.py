@@ -157,16 +157,15 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_partial_ones():
 
 def test_a_sharded_mesh_generates_the_single_device_tokens(llama):
     """Weights sharded by the training rules on a 1,2,4 mesh of the 8 CPU devices (tp=4
-    beyond the 2 kv heads): batch generation and the engine give one device's tokens."""
+    beyond the 2 kv heads): the engine gives one device's tokens (the CLI test below
+    covers batch generation on a mesh)."""
     path, _, (model, params, tok) = llama
     prompts = [[3, 40, 41, 42], [3] + list(range(100, 130)), [3, 7]]
     want = gen.generate(model, params, prompts, tok.eos_id, tok.pad_id, 24, temperature=0)
+    assert sum(map(len, want)) > 24
     mesh = gen.mesh_from_flag("1,2,4", model.cfg)
     model8, params8, _ = loading.load_model(path, mesh=mesh)
     assert len(params8["layers_0"]["mlp"]["up_proj"]["kernel"].sharding.device_set) == 8
-    got = gen.generate(model8, params8, prompts, tok.eos_id, tok.pad_id, 24, temperature=0,
-                       mesh=mesh)
-    assert got == want and sum(map(len, want)) > 24
     engine = gen.Engine(model8, params8, slots=4, max_len=64, mesh=mesh)
     reqs = [gen.Request(p, 24, stop_ids=[tok.eos_id]) for p in prompts]
     assert run_all(engine, reqs) == want

@@ -439,9 +439,14 @@ class Engine:
                 tokens[row, :len(r.prompt)], lengths[row], slots[row] = r.prompt, len(
                     r.prompt), free[row]
                 s.set_row(row, r.sampling, 0)
-            self.cache, first = self._prefill((self.group, size), self.params, self.cache,
-                                              tokens, lengths, slots, s.arrays())
-            first = np.asarray(first)
+            try:
+                self.cache, first = self._prefill((self.group, size), self.params, self.cache,
+                                                  tokens, lengths, slots, s.arrays())
+                first = np.asarray(first)
+            except Exception:  # neither waiting nor in a slot: fail them here
+                for r in batch:
+                    r.emit("error: prefill failed")
+                raise
             for row, r in enumerate(batch):
                 slot = free[row]
                 self.active[slot] = r
