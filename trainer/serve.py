@@ -372,6 +372,7 @@ def main(argv=None):
     cfg = parse_or_exit("trainer.serve", ServeFlags, argv)
     try:
         import uvicorn
+        sock = listen(cfg.host, cfg.port)  # first: a taken port fails before the model loads
         model_cfg, _ = loading.model_source(cfg.checkpoint, cfg.tokenizer) if cfg.checkpoint \
             else (None, None)
         mesh = gen.mesh_from_flag(cfg.mesh, model_cfg)
@@ -383,7 +384,6 @@ def main(argv=None):
         warm = gen.Request([tokenizer.eos_id], 2)  # compile decode_step before the first user
         engine.submit(warm)
         list(warm)
-        sock = listen(cfg.host, cfg.port)
     except UserError as e:
         sys.exit(f"error: {e}")
     except OSError as e:
