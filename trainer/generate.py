@@ -138,7 +138,9 @@ class Sampling:
         return tuple(vars(self).values())
 
 
-def _sample_rows(logits, temperature, top_k, top_p, seed, stream, step):
+def _sample_rows(logits, temperature, top_k, top_p, seed, stream, step, greedy=False):
+    if greedy:  # every row greedy, known before compiling: argmax only, a smaller program
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, r, t: jax.random.fold_in(
         jax.random.fold_in(jax.random.PRNGKey(s), r), t))(seed, stream, step)
     return sample(logits, temperature, top_k, top_p, keys)
@@ -164,16 +166,16 @@ def decode_step(model, params, cache, tokens, index):
     return cache, logits[:, -1]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "cache_len"))
-def _prefill_sample(model, params, tokens, lengths, sampling, cache_len):
+@functools.partial(jax.jit, static_argnames=("model", "cache_len", "greedy"))
+def _prefill_sample(model, params, tokens, lengths, sampling, cache_len, greedy=False):
     cache, logits = prefill(model, params, tokens, lengths, cache_len)
-    return cache, _sample_rows(logits, *sampling)
+    return cache, _sample_rows(logits, *sampling, greedy=greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _decode_sample(model, params, cache, tokens, index, sampling):
+@functools.partial(jax.jit, static_argnames=("model", "greedy"), donate_argnames=("cache",))
+def _decode_sample(model, params, cache, tokens, index, sampling, greedy=False):
     cache, logits = decode_step(model, params, cache, tokens, index)
-    return cache, _sample_rows(logits, *sampling)
+    return cache, _sample_rows(logits, *sampling, greedy=greedy)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
@@ -255,7 +257,9 @@ def generate(model, params, prompts, eos_id, pad_id, max_new_tokens=128, tempera
     stops = {eos_id, *stop_ids}
     prefill_ = Compiled("prefill", _prefill_sample, model, mesh)
     decode_ = Compiled("decode_step", _decode_sample, model, mesh)
-    cache, token = prefill_((rows, P_, S), params, tokens, lengths, s.arrays(), cache_len=S)
+    greedy = temperature == 0
+    cache, token = prefill_((rows, P_, S, greedy), params, tokens, lengths, s.arrays(),
+                            cache_len=S, greedy=greedy)
     out = [[] for _ in range(n)]
     done = np.zeros(n, bool)
     for i in range(max_new_tokens):
@@ -269,7 +273,8 @@ def generate(model, params, prompts, eos_id, pad_id, max_new_tokens=128, tempera
         if done.all() or i + 1 == max_new_tokens:
             break
         s.step[:] = i + 1
-        cache, token = decode_((rows, S), params, cache, token, lengths + i, s.arrays())
+        cache, token = decode_((rows, S, greedy), params, cache, token, lengths + i,
+                               s.arrays(), greedy=greedy)
     return out
 
 
