@@ -109,6 +109,9 @@ def test_openai_client_completions_chat_and_streaming(server, client):
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == want
     assert chat.usage.prompt_tokens == len(ids)
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    assert client.chat.completions.create(model="tiny", messages=parts, max_tokens=20,
+                                          temperature=0).choices[0].message.content == want
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True})

@@ -78,10 +78,15 @@ def _schemas():
         best_of: Optional[Literal[1]] = None
         suffix: Literal[None] = None
 
+    class TextPart(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        type: Literal["text"]
+        text: str
+
     class Message(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         role: Literal["system", "developer", "user", "assistant"]
-        content: str
+        content: Union[str, list[TextPart]]  # a string, or text parts (joined)
         name: Optional[str] = None
 
     class Chat(Body):
@@ -145,7 +150,9 @@ class Service:
     def prompts(self, body, chat):
         if chat:
             messages = [{"role": "system" if m.role == "developer" else m.role,
-                         "content": m.content} for m in body.messages]
+                         "content": m.content if isinstance(m.content, str)
+                         else "".join(part.text for part in m.content)}
+                        for m in body.messages]
             return [self.tokenizer.apply_chat_template(messages)]
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not texts:
