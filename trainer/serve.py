@@ -62,7 +62,7 @@ def _schemas():
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         top_k: int = Field(0, ge=0)
         n: int = Field(1, ge=1, le=16)
-        seed: Optional[int] = None
+        seed: Optional[int] = Field(None, ge=0, lt=2 ** 32)
         stop: Union[str, list[str], None] = None
         stream: bool = False
         stream_options: Optional[dict[Literal["include_usage"], bool]] = None
