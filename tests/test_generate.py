@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from tiny_hf import make_hf_dir
 from trainer import generate as gen

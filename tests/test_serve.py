@@ -153,8 +153,10 @@ def test_twenty_concurrent_greedy_requests_each_equal_the_request_alone(server, 
 
 
 def test_bad_requests_get_openai_style_4xx_and_the_server_stays_up(server):
-    url = server[0]
+    url, _, tok = server
     completions, chat = url + "/v1/completions", url + "/v1/chat/completions"
+    fits = next(t for t in (" ".join(map(str, range(n))) for n in range(200))
+                if len(tok(t)["input_ids"]) > CONTEXT - MAX_NEW)  # alone it fits; + 64, not
     cases = [
         (completions, dict(raw=b"{not json"), 400, "not valid JSON"),
         (completions, dict(raw=b"[1, 2]"), 400, "must be a JSON object"),
@@ -165,7 +167,12 @@ def test_bad_requests_get_openai_style_4xx_and_the_server_stays_up(server):
         (completions, dict(payload={"max_tokens": 5}), 400, "missing required field 'prompt'"),
         (completions, dict(payload={"prompt": "a " * 200}), 400, "longer than"),
         (completions, dict(payload={"prompt": "a", "max_tokens": -1}), 400, "max_tokens=-1"),
-        (completions, dict(payload={"prompt": "a", "max_tokens": 10**6}), 400, "max_tokens=1000000"),
+        (completions, dict(payload={"prompt": "a", "max_tokens": 10**6}), 400,
+         "max_tokens=1000000"),
+        (completions, dict(payload={"prompt": fits, "max_tokens": MAX_NEW}), 400,
+         "exceeds the context"),
+        (completions, dict(payload={"prompt": "a", "seed": -1}), 400, "'seed'"),
+        (completions, dict(payload={"prompt": "a", "logprobs": 3}), 400, "'logprobs'"),
         (completions, dict(payload={"prompt": "a b c d e f", "max_tokens": MAX_NEW,
                                     "stream": True}), 200, None),
         (chat, dict(payload={"messages": [{"role": "robot", "content": "x"}]}), 400,
