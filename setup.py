@@ -6,6 +6,7 @@ setup(
     description="A JAX trainer for LLaMA-family language models: one flag-driven script, "
                 "dp/fsdp/tp meshes, Hugging Face interop, spot-ready checkpoints.",
     packages=find_packages(include=["trainer", "trainer.*"]),
+    package_data={"trainer": ["chat.html"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10",
@@ -26,10 +27,12 @@ setup(
         "datasets",
         "numpy",
         "ml_dtypes",
+        "fastapi",  # trainer.serve
+        "uvicorn",
     ],
     extras_require={
         "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2",
-                 "lm-eval==0.4.13"],
+                 "lm-eval==0.4.13", "openai", "playwright"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "serve": [],

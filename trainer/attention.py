@@ -72,7 +72,8 @@ def self_attention(q, k, v, *, scale, window=None, segment_ids=None, implementat
 
 
 def cached_attention(q, k, v, *, scale, q_slots, window=None, key_mask=None):
-    """Attention of T new tokens at q_slots [T] over a cache of S slots (decoding)."""
+    """Attention of T new tokens at q_slots [T] (or [B, T]: each row at its own slots)
+    over a cache of S slots (decoding)."""
     mask = _mask(q_slots, jnp.arange(k.shape[1]), window)
     if key_mask is not None:
         mask = mask & key_mask[:, None, :]
@@ -80,11 +81,12 @@ def cached_attention(q, k, v, *, scale, q_slots, window=None, key_mask=None):
 
 
 def _mask(q_slots, k_slots, window=None, q_segments=None, k_segments=None):
-    """[1 or B, T, S] bool: which key slots each query may see."""
-    mask = k_slots[None, :] <= q_slots[:, None]
+    """[1 or B, T, S] bool: which key slots each query may see; q_slots [T] or [B, T]."""
+    mask = k_slots <= q_slots[..., None]
     if window is not None:
-        mask &= k_slots[None, :] > q_slots[:, None] - window
-    mask = mask[None]
+        mask &= k_slots > q_slots[..., None] - window
+    if mask.ndim == 2:
+        mask = mask[None]
     if q_segments is not None:
         mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
     return mask

@@ -86,15 +86,19 @@ def lora_of(path):
     return lora if lora and lora.rank else None
 
 
-def load_model(path, tokenizer="", dtype="float32"):
-    """A model source -> (model, params, tokenizer) on one device, for eval, generate and
-    serve. `tokenizer` overrides the source's own."""
+def load_model(path, tokenizer="", dtype="float32", mesh=None):
+    """A model source -> (model, params, tokenizer) on one device, or sharded over `mesh`
+    by the training rules, for eval, generate and serve. `tokenizer` overrides the
+    source's own."""
     from trainer.model import build_model
+    from trainer.sharding import param_rules, state_shardings
     from trainer.tokenizer import load_tokenizer
     if not path:
         raise SourceError("--checkpoint is required: a meshlm checkpoint or HF model dir")
     model_cfg, tokenizer = model_source(path, tokenizer)
     model = build_model(model_cfg, dtype=dtype, param_dtype=dtype)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params = load_weights(path, model_cfg, abstract_params(model, device))
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if mesh is not None:
+        where = state_shardings(abstract_params(model, where), mesh, param_rules(model_cfg, mesh))
+    params = load_weights(path, model_cfg, abstract_params(model, where))
     return model, params, load_tokenizer(tokenizer)

@@ -233,6 +233,16 @@ def kv_repeats(num_kv_heads, tp):
     return math.lcm(num_kv_heads, tp) // num_kv_heads
 
 
+def _cache_write(cache, x, index):
+    """Write x [B, T, K, Dh] into cache [B, S, K, Dh] at slot `index`: one int for every
+    row, or [B] ints, each row at its own slot (continuous batching)."""
+    x = x.astype(cache.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache, x, (0, index, 0, 0))
+    return jax.vmap(lambda c, r, i: jax.lax.dynamic_update_slice(c, r, (i, 0, 0)))(
+        cache, x, index)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     layer_type: str  # "full_attention" | "sliding_attention"
@@ -265,10 +275,7 @@ class Attention(nn.Module):
         new_cache = None
         if kv_cache is not None:
             # Decoding: write this chunk's keys/values at cache_index, attend over the cache.
-            k = jax.lax.dynamic_update_slice(kv_cache["k"], k.astype(kv_cache["k"].dtype),
-                                             (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(kv_cache["v"], v.astype(kv_cache["v"].dtype),
-                                             (0, cache_index, 0, 0))
+            k, v = (_cache_write(kv_cache[n], x, cache_index) for n, x in (("k", k), ("v", v)))
             new_cache = {"k": k, "v": v}
 
         # tp splits whole heads. When it exceeds the kv heads, each kv head is repeated so
@@ -357,8 +364,9 @@ class Transformer(nn.Module):
 
     segment_ids [B, T] (packed rows): tokens attend only within their own segment.
     For decoding, pass kv_cache (one {'k', 'v'} of [B, S, K, Dh] per layer, from
-    `init_kv_cache`) and cache_index (where these T tokens go); it returns the
-    updated cache as well. key_mask [B, S] marks cache slots that hold real tokens.
+    `init_kv_cache`) and cache_index (where these T tokens go: one int, or [B] ints when
+    each row is at its own place); it returns the updated cache as well. key_mask [B, S]
+    marks cache slots that hold real tokens.
     """
 
     cfg: ModelConfig
@@ -410,9 +418,9 @@ class Transformer(nn.Module):
                  key_mask=None, targets=None, loss_mask=None, per_row=False):
         cfg = self.cfg
         B, T = tokens.shape
+        q_slots = jnp.arange(T) + jnp.asarray(cache_index)[..., None]  # [T], or [B, T]
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T) + cache_index, (B, T))
-        q_slots = jnp.arange(T) + cache_index
+            positions = jnp.broadcast_to(q_slots, (B, T))
 
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
