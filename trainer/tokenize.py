@@ -60,8 +60,6 @@ class TokenizeFlags:
     progress: bool = flag(True, "show a progress bar (documents, tokens/s, ETA)")
 
     def __post_init__(self):
-        if not self.output:
-            raise ConfigError("--output is required: the shard directory to write (local or gs://)")
         if self.seq_len < 1 or self.workers < 0 or self.nodes < 1 or not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"--seq_len={self.seq_len}, --workers={self.workers}, --nodes={self.nodes}, "
                               f"--node_rank={self.node_rank}: need seq_len >= 1, workers >= 0, nodes >= 1 "
@@ -305,6 +303,8 @@ class _ProgressBar:
 
 def main(argv=None):
     cfg = parse_or_exit("trainer.tokenize", TokenizeFlags, argv)
+    if not cfg.output:
+        sys.exit("error: --output is required: the shard directory to write (local or gs://)")
     created = not storage.exists(cfg.output)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
