@@ -22,13 +22,16 @@ setup(
         "huggingface_hub",
         "fsspec",
         "gcsfs",
+        "zstandard",  # .zst corpora (fsspec's zstd codec)
         "tqdm",
         "datasets",
         "numpy",
         "ml_dtypes",
     ],
     extras_require={
-        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2"],
+        "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2", "datatrove==0.10.1"],
+        # trainer.tokenize on every core or many machines (~20 MB, pure Python, no cluster runtime)
+        "data": ["datatrove==0.10.1"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "serve": [],

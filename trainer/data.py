@@ -11,11 +11,14 @@ Formats (--data.format) and their JSONL rows:
 Flow: a source yields rows -> each row is checked and becomes one document of ids with a
 per-token loss mask (two for a preference pair); a bad row is one DataError naming its file
 and line, or with --data.skip_bad_rows is skipped and counted; a conversation longer than a
-row is shortened by whole exchanges or dropped (--data.long) -> the documents are cached on
-disk -> split by whole documents (pairs) into train/validation -> packed into rows of
-seq_len+1 tokens -> `Dataset.batch(step)` picks rows by a per-epoch permutation. The batch
-for a step is a pure function of (data, seed, step): there is no iterator state (DESIGN
-rule 4).
+row is shortened by whole exchanges or dropped (--data.long) -> the documents are written
+to token shards (trainer/tokenize.py; --data.path may name such a directory, else the
+automatic cache builds one) -> split by whole documents (pairs) into train/validation ->
+packed into rows of seq_len+1 tokens -> `Dataset.batch(step)` picks rows by a per-epoch
+keyed permutation (permute.py). Text is read lazily from the shards (StreamDataset: only the
+rows a step needs); chat, fields and preference sets are packed in memory. --data.mix draws
+each step's rows from several such sources by weight (Mixture). The batch for a step is a
+pure function of (data, seed, step): there is no iterator state (DESIGN rule 4).
 
 Packing (--data.packing): `stream` concatenates documents and cuts the stream into rows
 (text); `isolated` places documents whole into rows, greedily in order, each its own
