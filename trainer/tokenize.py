@@ -133,19 +133,15 @@ def _note(path, docs, tokens, done_bytes):
 
 def _remove_leftovers(root, rank):
     """A killed task's temporary files (local dirs only; on GCS nothing half-written exists)."""
-    if storage.is_local(root):
-        where = storage.fs_and_path(root)[1] + "/shards"
-        if os.path.isdir(where):
-            for name in os.listdir(where):
-                if name.startswith((f".{rank:05d}-", f"{rank:05d}.")) and ".tmp" in name or \
-                        name.startswith(f".{rank:05d}-"):
-                    path = os.path.join(where, name)
-                    if os.path.isdir(path):
-                        for f in os.listdir(path):
-                            os.remove(os.path.join(path, f))
-                        os.rmdir(path)
-                    else:
-                        os.remove(path)
+    if not storage.is_local(root):
+        return
+    where = storage.fs_and_path(root)[1] + "/shards"
+    for name in os.listdir(where) if os.path.isdir(where) else []:
+        path = os.path.join(where, name)
+        if name.startswith(f".{rank:05d}-"):  # a ShardWriter's temporary dir
+            shutil.rmtree(path)
+        elif name.startswith(f"{rank:05d}.") and ".tmp-" in name:  # an unfinished record
+            os.remove(path)
 
 
 def _datatrove_step(job):
