@@ -9,10 +9,11 @@ import pytest
 
 from conftest import REPO, run_cli
 from trainer import config, convert, eval as eval_cli, flags, generate as generate_cli, plan, serve
+from trainer import tokenize
 
 COMMANDS = {"train": config.TrainConfig, "eval": eval_cli.EvalFlags,
             "generate": generate_cli.GenerateFlags, "convert": convert.ConvertFlags,
-            "serve": serve.ServeFlags}
+            "serve": serve.ServeFlags, "tokenize": tokenize.TokenizeFlags}
 
 SMALL = ["--seq_len=64", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_batches=2"]
 
