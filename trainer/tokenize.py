@@ -110,7 +110,7 @@ def run_task(job: dict, rank: int, tokenizer=None):
             writer.add(ids, mask)
             if writer.docs % 256 == 0 and time.monotonic() - last > _PROGRESS_EVERY:
                 last = time.monotonic()
-                _note(note, writer.docs, writer.tokens, opened[0].tell() if opened else 0)
+                _note(note, writer.docs, writer.tokens, _bytes_read(opened, job["sizes"][rank]))
     except UserError as e:
         writer.abort()
         with open(_progress_file(job, rank) + ".error", "w") as f:
@@ -123,6 +123,16 @@ def run_task(job: dict, rank: int, tokenizer=None):
               "long_rows": long.rows, "long": long.long, "dropped": long.dropped}
     writer.commit({"source": task, "counts": counts})
     _note(_progress_file(job, rank), writer.docs, writer.tokens, job["sizes"][rank] or 0)
+
+
+def _bytes_read(opened, size):
+    """How far into its (compressed) input file a task has read."""
+    if not opened:
+        return 0
+    try:
+        return opened[0].tell()
+    except ValueError:  # closed: read to the end (its last documents are still being written)
+        return size or 0
 
 
 def _note(path, docs, tokens, done_bytes):
