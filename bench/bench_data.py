@@ -13,12 +13,10 @@ each step reads only its rows. Everything is written under --workdir and deleted
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 

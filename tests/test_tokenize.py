@@ -59,8 +59,8 @@ def build(tmp_path, name, **kw):
 
 def files_digest(root):
     out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
+    for dirpath, _, files in os.walk(root):
+        for n in files:
             p = os.path.join(dirpath, n)
             out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
     return out

@@ -696,6 +696,10 @@ class Dataset:
         g = step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
         return epoch_rows(self.num_rows, seed, g)
 
+    def epochs(self, step: int, batch_size: int) -> dict:
+        """{"epochs": passes over the rows in steps [0, step)}, for the metrics."""
+        return {"epochs": step * batch_size / max(self.num_rows, 1)}
+
     def _take(self, ids):
         """(tokens, row mask, segments or None) of the rows ids."""
         return self.rows[ids], self.row_mask[ids], None if self.segments is None else self.segments[ids]

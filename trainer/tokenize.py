@@ -23,7 +23,6 @@ manifest is written last, by whichever run (or node) finds every shard done.
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -33,8 +32,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from trainer import data, shards, storage
 from trainer.config import DataConfig
@@ -199,6 +196,8 @@ def build(cfg: DataConfig, tokenizer, output: str, seq_len: int, *, tokenizer_sp
             if workers <= 1 or len(mine) <= 1:
                 for rank in mine:
                     run_task(job, rank, tokenizer)
+                    if any(f.endswith(".error") for f in os.listdir(progress_dir)):
+                        break  # reported below
             else:
                 _run_datatrove(job, mine, workers)
         errors = sorted(f for f in os.listdir(progress_dir) if f.endswith(".error"))

@@ -426,7 +426,7 @@ def _run(cfg, stop):
         compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
         write_run_config(cfg)
         steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log)
-        steplog.data_fields = getattr(train_data, "epochs", None)  # a mixture: epochs per source
+        steplog.data_fields = train_data.epochs  # epochs seen (of each source of a mixture)
         evaluate = functools.partial(held_out_loss, cfg, trainer, val_data, feed)
         if start == 0:
             steplog.val_loss(0, evaluate(state))  # the untrained model; every process takes part
