@@ -5,6 +5,8 @@ For each corpus size (synthetic JSONL text, several files): tokenize it with
 size), then train 20 steps with `--data.path=SHARDS` and report the training process's
 peak RSS. Resident memory must not grow with the corpus: the shards are memory-mapped and
 each step reads only its rows. Everything is written under --workdir and deleted after.
+Wall-clock throughput depends on what else runs on the machine; tokens per CPU second
+(the command's and its workers' user + system time) does not.
 
     python bench/bench_data.py                       # 100 MB and 2 GB (needs ~13 GB of disk)
     python bench/bench_data.py --sizes_mb=20,200     # a quick look
@@ -48,18 +50,19 @@ def write_corpus(root, size_mb, files=8):
 
 
 def run(args, env=None):
-    """Run a command; (seconds, peak RSS in MB of it and its children, stdout)."""
+    """Run a command; (seconds, peak RSS in MB of it and its children, CPU seconds, stdout)."""
     code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+            "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "print(time.perf_counter() - t, r.ru_maxrss, r.ru_utime + r.ru_stime); "
             "sys.stderr.write(p.stderr[-3000:] if p.returncode else ''); sys.stdout.write(p.stdout); "
             "sys.exit(p.returncode)")
     p = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, env=env)
     if p.returncode:
         raise SystemExit(f"failed: {' '.join(args)}\n{p.stderr}")
     first, _, rest = p.stdout.partition("\n")
-    seconds, rss_kb = first.split()
-    return float(seconds), int(rss_kb) / 1024, rest
+    seconds, rss_kb, cpu = first.split()
+    return float(seconds), int(rss_kb) / 1024, float(cpu), rest
 
 
 def main():
@@ -75,18 +78,21 @@ def main():
         for n, size in enumerate(int(s) for s in a.sizes_mb.split(",")):
             corpus, shards = os.path.join(work, f"corpus{size}"), os.path.join(work, f"shards{size}")
             nbytes = write_corpus(corpus, size)
-            throughput = {}
+            throughput, per_cpu = {}, {}
             for workers in ((1, 2) if n == 0 else (2,)):
                 shutil.rmtree(shards, ignore_errors=True)
-                secs, _, out = run([py, "-m", "trainer.tokenize", f"--data.path={corpus}/*.jsonl",
+                secs, _, cpu, out = run([py, "-m", "trainer.tokenize", f"--data.path={corpus}/*.jsonl",
                                     f"--output={shards}", f"--workers={workers}", "--progress=false"])
                 summary = json.loads(out.strip().splitlines()[-1])
                 throughput[workers] = summary["tokens"] / secs
+                per_cpu[workers] = summary["tokens"] / cpu
             shutil.rmtree(corpus)
-            secs, rss, _ = run([py, "-m", "trainer.train", f"--data.path={shards}", f"--steps={a.steps}",
+            secs, rss, _, _ = run([py, "-m", "trainer.train", f"--data.path={shards}", f"--steps={a.steps}",
                                 "--log_every=10", "--eval_every=0", "--eval_batches=2", "--compile_cache=",
                                 f"--output_dir={work}/run{size}", f"--data.cache_dir={work}/cache"])
             rows.append((size, nbytes, summary["tokens"], throughput, rss, secs))
+            print(f"  tokens per CPU second (machine load aside): "
+                  + ", ".join(f"{w} worker(s) {t / 1e6:.2f}M" for w, t in per_cpu.items()), flush=True)
             shutil.rmtree(shards)
             shutil.rmtree(f"{work}/run{size}")
             print(f"{size} MB: {summary['tokens']:,} tokens; tokenize "

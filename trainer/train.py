@@ -604,9 +604,9 @@ def held_out_loss(cfg, trainer, val_data, feed, state):
     """{"val_loss": mean loss over (up to --eval_batches of) the validation rows}, plus
     "val_loss.<name>" for each source of a --data.mix (val_loss: their token-weighted
     mean); {} without any rows."""
-    parts = getattr(val_data, "parts", {"": val_data})
+    mixture = hasattr(val_data, "parts")
     out, total = {}, [0.0, 0.0]
-    for name, part in parts.items():
+    for name, part in (val_data.parts if mixture else {"": val_data}).items():
         if part.num_rows == 0:
             continue
         loss_sum, count = 0.0, 0.0
@@ -616,9 +616,9 @@ def held_out_loss(cfg, trainer, val_data, feed, state):
             s, n = trainer.eval_fn(state, feed.to_global(
                 {k: v[feed.rows] for k, v in full.items()}))
             loss_sum, count = loss_sum + float(s), count + float(n)
-        out["val_loss" + (f".{name}" if name else "")] = loss_sum / max(count, 1.0)
+        out[f"val_loss.{name}" if mixture else "val_loss"] = loss_sum / max(count, 1.0)
         total = [total[0] + loss_sum, total[1] + count]
-    if len(out) > 1 or (out and "val_loss" not in out):
+    if mixture and out:
         out = {"val_loss": total[0] / max(total[1], 1.0), **out}
     return out
 
