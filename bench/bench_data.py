@@ -91,7 +91,7 @@ def main():
                                 "--log_every=10", "--eval_every=0", "--eval_batches=2", "--compile_cache=",
                                 f"--output_dir={work}/run{size}", f"--data.cache_dir={work}/cache"])
             rows.append((size, nbytes, summary["tokens"], throughput, rss, secs))
-            print(f"  tokens per CPU second (machine load aside): "
+            print("  tokens per CPU second (machine load aside): "
                   + ", ".join(f"{w} worker(s) {t / 1e6:.2f}M" for w, t in per_cpu.items()), flush=True)
             shutil.rmtree(shards)
             shutil.rmtree(f"{work}/run{size}")
