@@ -150,6 +150,16 @@ def test_cli_on_datatrove_with_two_workers_and_a_killed_rerun(corpus, tmp_path):
     assert (killed / "shards/00000.tokens").stat().st_mtime_ns == done_before["00000.tokens"]  # not redone
 
 
+def test_nodes_each_build_their_block_and_the_last_writes_the_manifest(corpus, tmp_path):
+    cfg, tok = DataConfig(path=str(corpus / "*")), load_tokenizer("bytes")
+    one = build(tmp_path, "one", path=str(corpus / "*"))
+    shared = str(tmp_path / "shared")
+    assert tokenize.build(cfg, tok, shared, 64, nodes=2, node_rank=1, progress=False) is None
+    assert sorted(os.listdir(f"{shared}/shards")) == [f"0000{i}.{k}" for i in (2, 3) for k in ("json", "offsets", "tokens")]
+    assert tokenize.build(cfg, tok, shared, 64, nodes=2, node_rank=0, progress=False)["docs"] == 361
+    assert files_digest(shared) == files_digest(one)
+
+
 def test_cli_errors_are_one_line_and_leave_nothing(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     proc = run_cli("tokenize", f"--data.path={tmp_path}/bad.jsonl", f"--output={tmp_path}/out", check=False)
