@@ -14,7 +14,7 @@ all writing to one gs:// DIR. datatrove was chosen over Ray Data and Apache Beam
 is built for exactly this (FineWeb was tokenized with it), installs in seconds with pure-
 Python dependencies (about 20 MB, no cluster runtime), runs locally with no cluster, and its
 Slurm and Ray executors take the same per-task step (_datatrove_step) to a cluster; Ray
-Data and Beam would bring a cluster runtime (Ray's wheel alone is hundreds of MB) and a
+Data and Beam each bring a runtime of their own (Ray's object store and raylet; Beam's runner) and a
 dataflow model that fights "one shard per file, written atomically". With one worker the
 tasks run in this process, without datatrove (the train command's automatic cache does this).
 
