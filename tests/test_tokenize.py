@@ -130,7 +130,7 @@ def test_cli_on_datatrove_with_two_workers_and_a_killed_rerun(corpus, tmp_path):
     # A real kill (SIGKILL, no cleanup) as soon as the first shard is done, then a re-run.
     killed = tmp_path / "killed"
     p = subprocess.Popen([sys.executable, "-m", "trainer.tokenize", f"--data.path={corpus}/*",
-                          f"--output={killed}", "--workers=1"], cwd=REPO, env=cli_env(),
+                          f"--output={killed}", "--workers=1"], cwd=REPO, env=cli_env(TMPDIR=str(tmp_path)),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while p.poll() is None and not (killed / "shards/00000.json").exists():
         time.sleep(0.01)

@@ -13,10 +13,10 @@ on datatrove's executors: on one machine `LocalPipelineExecutor` runs --workers 
 all writing to one gs:// DIR. datatrove was chosen over Ray Data and Apache Beam because it
 is built for exactly this (FineWeb was tokenized with it), installs in seconds with pure-
 Python dependencies (about 20 MB, no cluster runtime), runs locally with no cluster, and its
-Slurm and Ray executors take the same per-task step (_datatrove_step) to a cluster; Ray
-Data and Beam each bring a runtime of their own (Ray's object store and raylet; Beam's runner) and a
-dataflow model that fights "one shard per file, written atomically". With one worker the
-tasks run in this process, without datatrove (the train command's automatic cache does this).
+Slurm and Ray executors take the same per-task step (_datatrove_step) to a cluster. Ray
+Data and Beam each bring a runtime of their own (Ray's object store and raylet, Beam's
+runner) and a dataflow model that fights "one shard per file, written atomically". With
+one worker the tasks run in this process, without datatrove (as the automatic cache does).
 
 Resumable and atomic: a shard counts as done once its record (NNNNN.json) exists, and is
 never redone; an unfinished one is built again from the start, byte for byte the same. The
