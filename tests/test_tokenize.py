@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -139,13 +140,20 @@ def test_cli_on_datatrove_with_two_workers_and_a_killed_rerun(corpus, tmp_path):
     assert not (killed / "manifest.json").exists() or p.returncode == 0
     # ... and what a kill in the middle of a shard leaves: a temp dir, a shard without its record.
     (killed / "shards").mkdir(parents=True, exist_ok=True)
-    (killed / "shards/.00002-dead").mkdir()
-    (killed / "shards/.00002-dead/tokens").write_bytes(b"\0" * 10)
+    dead = killed / f"shards/.00002.tmp@{socket.gethostname()}@{p.pid}-x1y2"  # p is gone
+    dead.mkdir()
+    (dead / "tokens").write_bytes(b"\0" * 10)
+    (killed / f"shards/00001.json.tmp@{socket.gethostname()}@{p.pid}").write_text("{")
+    alive = killed / f"shards/.00002.tmp@{socket.gethostname()}@{os.getpid()}-x1y2"  # a live writer's
+    alive.mkdir()
     (killed / "shards/00003.tokens").write_bytes(b"\1" * 7)
     (killed / "shards/00003.json").unlink(missing_ok=True)
     (killed / "manifest.json").unlink(missing_ok=True)
     done_before = {n: (killed / "shards" / n).stat().st_mtime_ns for n in ("00000.tokens",)}
+    (killed / "shards/00001.json").unlink(missing_ok=True)
     run_cli("tokenize", f"--data.path={corpus}/*", f"--output={killed}", "--workers=1")
+    assert alive.is_dir()  # another process's work in progress is left alone
+    alive.rmdir()
     assert files_digest(killed) == reference  # byte-identical, and no leftovers
     assert (killed / "shards/00000.tokens").stat().st_mtime_ns == done_before["00000.tokens"]  # not redone
 

@@ -17,6 +17,8 @@ appears whole when its upload ends), so a half-written shard is never read.
 
 import json
 import os
+import re
+import socket
 import tempfile
 
 import numpy as np
@@ -45,12 +47,32 @@ def read_manifest(root):
     return storage.read_json(path) if storage.exists(path) else None
 
 
+def tmp_tag() -> str:
+    """Names this process in temporary file names: several processes (hosts of one run
+    building the same cache) may write the same shard at once, each to its own files."""
+    return f"tmp@{socket.gethostname()}@{os.getpid()}"
+
+
+def is_stale(name: str) -> bool:
+    """Whether a temporary name belongs to a process of this host that is gone."""
+    m = re.search(r"tmp@([^@]+)@(\d+)", name)
+    if not m or m.group(1) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(m.group(2)), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def put_bytes(path, data: bytes):
     """Write a whole file atomically: a temporary name, then a rename (local), or one upload (gs://)."""
     fs, p = storage.fs_and_path(path)
     if storage.is_local(path):
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-        tmp = f"{p}.tmp-{os.getpid()}"
+        tmp = f"{p}.{tmp_tag()}"
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, p)
@@ -71,7 +93,7 @@ class ShardWriter:
         where = storage.fs_and_path(_join(root, "shards"))[1] if local else None
         if local:
             os.makedirs(where, exist_ok=True)
-        self.tmpdir = tempfile.mkdtemp(prefix=f".{index:05d}-", dir=where)
+        self.tmpdir = tempfile.mkdtemp(prefix=f".{index:05d}.{tmp_tag()}-", dir=where)
         self.kinds = ["tokens", "offsets"] + (["mask"] if with_mask else [])
         self.files = {k: open(os.path.join(self.tmpdir, k), "wb") for k in self.kinds}
         self.buf, self.mbuf, self.ends, self.buffered = [], [], [], 0

@@ -141,16 +141,15 @@ def _note(path, docs, tokens, done_bytes):
 
 
 def _remove_leftovers(root, rank):
-    """A killed task's temporary files (local dirs only; on GCS nothing half-written exists)."""
+    """The temporary files of a killed task (local dirs only: on GCS nothing half-written
+    exists). Those of live processes, such as another host building the same cache, stay."""
     if not storage.is_local(root):
         return
     where = storage.fs_and_path(root)[1] + "/shards"
     for name in os.listdir(where) if os.path.isdir(where) else []:
-        path = os.path.join(where, name)
-        if name.startswith(f".{rank:05d}-"):  # a ShardWriter's temporary dir
-            shutil.rmtree(path)
-        elif name.startswith(f"{rank:05d}.") and ".tmp-" in name:  # an unfinished record
-            os.remove(path)
+        if name.lstrip(".").startswith(f"{rank:05d}.") and shards.is_stale(name):
+            path = os.path.join(where, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def _datatrove_step(job):
