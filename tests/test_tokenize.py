@@ -180,8 +180,12 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path):
     assert (tmp_path / "other/manifest.json").exists()  # someone else's shards stay
 
 
-def test_training_refuses_shards_of_another_tokenizer(corpus, tmp_path):
+def test_training_refuses_unfinished_shards_and_another_tokenizer(corpus, tmp_path):
     root = build(tmp_path, "shards", path=str(corpus / "a.jsonl"))
+    os.rename(f"{root}/manifest.json", f"{root}/manifest.bak")
+    with pytest.raises(data.DataError, match="is an unfinished shard directory; re-run the trainer.tokenize"):
+        data.load_dataset(DataConfig(path=root), load_tokenizer("bytes"), 64)
+    os.rename(f"{root}/manifest.bak", f"{root}/manifest.json")
     sp = tmp_path / "x.model"
     import sentencepiece as spm
     spm.SentencePieceTrainer.train(sentence_iterator=iter(text_docs(0, 200)), model_prefix=str(sp)[:-6],

@@ -23,7 +23,8 @@ DataFormat = Literal["text", "chat", "fields", "preference"]
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = flag("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)")
+    path: str = flag("builtin", "builtin | FILE | GLOB (.txt, .jsonl, .gz, .zst) | shard DIR from "
+                     "trainer.tokenize | HF dataset name or dir (local or gs://)")
     format: DataFormat = flag(
         "text", "row layouts: text {\"text\": str} or .txt files | chat {\"messages\": "
         "[{\"role\": system|user|assistant, \"content\": str}, ...]}, loss on assistant turns | "

@@ -521,6 +521,9 @@ def _cached_shards(cfg: DataConfig, tokenizer, seq_len) -> str:
     from trainer import tokenize
     if is_shard_dir(cfg.path):
         return cfg.path
+    if not _is_glob(cfg.path) and storage.exists(cfg.path.rstrip("/") + "/plan.json"):
+        raise DataError(f"--data.path: {cfg.path} is an unfinished shard directory; re-run the "
+                        "trainer.tokenize command that writes it, which continues where it stopped")
     sources, _ = source_tasks(cfg)
     key = json.dumps(tokenize.identity(cfg, tokenizer, seq_len, sources), sort_keys=True)
     cache_dir = cfg.cache_dir or os.path.expanduser("~/.cache/meshlm/tokens")
