@@ -311,6 +311,9 @@ def main(argv=None):
     cfg = parse_or_exit("trainer.tokenize", TokenizeFlags, argv)
     if not cfg.output:
         sys.exit("error: --output is required: the shard directory to write (local or gs://)")
+    if cfg.data.mix:
+        sys.exit("error: --data.mix: trainer.tokenize builds one source; run it once per source "
+                 "(--data.path=PATH --output=DIR) and mix the directories when training")
     created = not storage.exists(cfg.output)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
