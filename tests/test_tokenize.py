@@ -108,6 +108,22 @@ def test_shards_hold_the_in_memory_tokens_boundaries_and_masks(corpus, tmp_path,
         same_batches(a, b)
 
 
+def test_a_large_jsonl_file_is_split_into_tasks_on_line_boundaries(corpus, tmp_path, monkeypatch):
+    size = (corpus / "a.jsonl").stat().st_size
+    monkeypatch.setattr(data, "JSONL_TASK_BYTES", 997)  # cuts fall inside lines and on their ends
+    cfg, tok = DataConfig(path=str(corpus / "*")), load_tokenizer("bytes")
+    root = build(tmp_path, "shards", path=str(corpus / "*"))
+    tasks = data.source_tasks(cfg)[1]
+    assert len(tasks) == 3 + -(-size // 997) and tasks[1] == [f"file://{corpus}/a.jsonl", 997, 1994]
+    tokens, offsets, _, _ = data._tokenize(data._resolve_source(cfg)[1](), tok, cfg, 64)
+    got = data._load_all(shards.ShardReader(root))
+    np.testing.assert_array_equal(got[0], tokens)
+    np.testing.assert_array_equal(got[1], offsets)
+    (tmp_path / "big.jsonl").write_text(jsonl([{"text": "fine"}] * 300) + "[1]\n")
+    with pytest.raises(data.DataError, match=rf"big.jsonl:byte {300 * 17}: expected a JSON object, got list"):
+        build(tmp_path, "bad", path=str(tmp_path / "big.jsonl"))
+
+
 def test_lazy_reads_touch_only_the_rows_asked_for(corpus, tmp_path, monkeypatch):
     root = build(tmp_path, "shards", path=str(corpus / "*"))
     train, _ = data.load_dataset(DataConfig(path=root), load_tokenizer("bytes"), 64)

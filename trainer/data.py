@@ -61,6 +61,7 @@ log.propagate = False
 
 CACHE_VERSION = 3          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines
+JSONL_TASK_BYTES = 1 << 28  # an uncompressed .jsonl file is tokenized in pieces of this size
 ROLES = ("system", "user", "assistant")
 COMPRESSED = {".gz": "gzip", ".zst": "zstd"}  # read through as the suffix says
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -109,21 +110,57 @@ def _resolve_source(cfg: DataConfig):
 
 
 def source_tasks(cfg: DataConfig):
-    """(sources, tasks): the source's identity (as the cache key has it) and its units of
-    work for the shard builder: one per file (its URL), or one (None) for builtin or an HF
-    dataset."""
+    """(sources, tasks, sizes): the source's identity (as the cache key has it), its units of
+    work for the shard builder, in corpus order, and their sizes in bytes (None: unknown). A
+    task is a file's URL; [URL, start, end] for the lines that begin in bytes [start, end)
+    of a large uncompressed .jsonl file, so that several workers share it; or None for
+    builtin or an HF dataset (one task)."""
     key, _ = _resolve_source(cfg)
-    if key and isinstance(key[0], list):
-        return key, [url for url, _, _ in key]
-    return key, [None]
+    if not (key and isinstance(key[0], list)):
+        return key, [None], [None]
+    tasks, sizes = [], []
+    for url, size, _ in key:
+        if url.endswith(".jsonl") and size and size > JSONL_TASK_BYTES:
+            for start in range(0, size, JSONL_TASK_BYTES):
+                tasks.append([url, start, min(size, start + JSONL_TASK_BYTES)])
+                sizes.append(tasks[-1][2] - start)
+        else:
+            tasks.append(url)
+            sizes.append(size)
+    return key, tasks, sizes
 
 
 def task_rows(cfg: DataConfig, task, opened=None):
     """The rows of one unit of work from source_tasks."""
     if task is None:
         return _resolve_source(cfg)[1]()
+    if isinstance(task, list):
+        fs, path = fsspec.core.url_to_fs(task[0])
+        return _jsonl_range_rows(fs, path, task[1], task[2], opened)
     fs, path = fsspec.core.url_to_fs(task)
     return _file_rows(fs, path, cfg, opened)
+
+
+def _jsonl_range_rows(fs, path, start, end, opened=None):
+    """The rows of the lines of a .jsonl file that begin in bytes [start, end). `where` says
+    the byte offset of the line (its number would need every byte before it read)."""
+    url = fs.unstrip_protocol(path)
+    name = path if storage.is_local(url) else url
+    with fs.open(path, "rb") as f:
+        if opened is not None:
+            opened.append(f)
+        pos = start
+        if start:  # the line under way at `start` belongs to the task before
+            f.seek(start - 1)
+            pos = start - 1 + len(f.readline())
+        while pos < end:
+            line = f.readline()
+            if not line:
+                break
+            where = f"{name}:byte {pos}"
+            pos += len(line)
+            if line.strip():
+                yield where, _json_row(line.decode("utf-8"), where)
 
 
 def _looks_like_file(spec: str) -> bool:
@@ -524,7 +561,7 @@ def _cached_shards(cfg: DataConfig, tokenizer, seq_len) -> str:
     if not _is_glob(cfg.path) and storage.exists(cfg.path.rstrip("/") + "/plan.json"):
         raise DataError(f"--data.path: {cfg.path} is an unfinished shard directory; re-run the "
                         "trainer.tokenize command that writes it, which continues where it stopped")
-    sources, _ = source_tasks(cfg)
+    sources = source_tasks(cfg)[0]
     key = json.dumps(tokenize.identity(cfg, tokenizer, seq_len, sources), sort_keys=True)
     cache_dir = cfg.cache_dir or os.path.expanduser("~/.cache/meshlm/tokens")
     root = f"{cache_dir.rstrip('/')}/{hashlib.sha256(key.encode()).hexdigest()[:32]}"

@@ -6,7 +6,8 @@ the layout of trainer/shards.py, and `python -m trainer.train --data.path=DIR` r
 lazily. Documents, masks and warnings are exactly those of the train command's own
 tokenization (data.documents): one rule, one home.
 
-One task per input file (one for a dataset or builtin), each writing one shard. Tasks run
+One task per input file (per 256 MB of an uncompressed .jsonl file; one for a dataset or
+builtin), each writing one shard. Tasks run
 on datatrove's executors: on one machine `LocalPipelineExecutor` runs --workers processes
 (all cores by default); on several, every machine runs the same command with --nodes=N
 --node_rank=i and takes its share of the tasks (datatrove's local_tasks/local_rank_offset),
@@ -72,7 +73,7 @@ def identity(cfg: DataConfig, tokenizer, seq_len: int, sources) -> dict:
     return {"layout": shards.LAYOUT_VERSION, "rules": data.CACHE_VERSION, "format": cfg.format,
             "tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size,
             "dtype": shards.token_dtype(tokenizer.vocab_size).name, "skip_bad_rows": cfg.skip_bad_rows,
-            "split": cfg.split, **how, "sources": sources}
+            "split": cfg.split, **how, "task_bytes": data.JSONL_TASK_BYTES, "sources": sources}
 
 
 # --------------------------------------------------------------------------- one task
@@ -109,7 +110,7 @@ def run_task(job: dict, rank: int, tokenizer=None):
             writer.add(ids, mask)
             if writer.docs % 256 == 0 and time.monotonic() - last > _PROGRESS_EVERY:
                 last = time.monotonic()
-                _note(note, writer.docs, writer.tokens, _bytes_read(opened, job["sizes"][rank]))
+                _note(note, writer.docs, writer.tokens, _bytes_read(opened, task, job["sizes"][rank]))
     except UserError as e:
         writer.abort()
         with open(_progress_file(job, rank) + ".error", "w") as f:
@@ -124,14 +125,15 @@ def run_task(job: dict, rank: int, tokenizer=None):
     _note(_progress_file(job, rank), writer.docs, writer.tokens, job["sizes"][rank] or 0)
 
 
-def _bytes_read(opened, size):
-    """How far into its (compressed) input file a task has read."""
+def _bytes_read(opened, task, size):
+    """How many bytes of its (compressed) input a task has read."""
     if not opened:
         return 0
     try:
-        return opened[0].tell()
+        done = opened[0].tell() - (task[1] if isinstance(task, list) else 0)
     except ValueError:  # closed: read to the end (its last documents are still being written)
         return size or 0
+    return max(0, min(done, size or done))
 
 
 def _note(path, docs, tokens, done_bytes):
@@ -169,7 +171,7 @@ def build(cfg: DataConfig, tokenizer, output: str, seq_len: int, *, tokenizer_sp
     or None (only on a terminal)."""
     if cfg.format == "fields":
         data._check_specials(data.parse_fields(cfg.fields), tokenizer)
-    sources, tasks = data.source_tasks(cfg)
+    sources, tasks, sizes = data.source_tasks(cfg)
     ident = identity(cfg, tokenizer, seq_len, sources)
     manifest = shards.read_manifest(output)
     if manifest is not None:
@@ -187,7 +189,6 @@ def build(cfg: DataConfig, tokenizer, output: str, seq_len: int, *, tokenizer_sp
 
     # A node's share is a contiguous block of tasks (as datatrove's local_rank_offset takes it).
     mine = list(range(len(tasks) * node_rank // nodes, len(tasks) * (node_rank + 1) // nodes))
-    sizes = [s[1] if isinstance(s, list) else None for s in sources]
     progress_dir = tempfile.mkdtemp(prefix="meshlm-tokenize-")
     job = {"output": output, "data": dataclasses.asdict(cfg), "tokenizer_spec": tokenizer_spec,
            "seq_len": seq_len, "identity": ident, "tasks": tasks, "sizes": sizes,
