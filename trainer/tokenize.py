@@ -7,9 +7,9 @@ lazily. Documents, masks and warnings are exactly those of the train command's o
 tokenization (data.documents): one rule, one home.
 
 One task per input file (per 256 MB of an uncompressed .jsonl file; one for a dataset or
-builtin), each writing one shard. Tasks run
-on datatrove's executors: on one machine `LocalPipelineExecutor` runs --workers processes
-(all cores by default); on several, every machine runs the same command with --nodes=N
+builtin), each writing one shard. Tasks run on datatrove's executors: on one machine
+`LocalPipelineExecutor` runs --workers processes (all cores by default); on several, every
+machine runs the same command with --nodes=N
 --node_rank=i and takes its share of the tasks (datatrove's local_tasks/local_rank_offset),
 all writing to one gs:// DIR. datatrove was chosen over Ray Data and Apache Beam because it
 is built for exactly this (FineWeb was tokenized with it), installs in seconds with pure-
