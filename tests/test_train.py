@@ -88,8 +88,10 @@ def test_every_enumerated_flag_rejects_a_wrong_value_in_one_line(tmp_path, capsy
     """A wrong value for any enumerated flag of any command: one line naming the flag and
     its choices, exit status 1, before anything is written."""
     mains = {"train": __import__("trainer.train").train.main, "eval": eval_cli.main,
-             "generate": generate_cli.main, "convert": convert.main, "serve": serve.main}
-    writes = {"train": "output_dir", "convert": "output"}  # the flag naming what it writes
+             "generate": generate_cli.main, "convert": convert.main, "serve": serve.main,
+             "tokenize": tokenize.main}
+    # The flag naming what a command writes.
+    writes = {"train": "output_dir", "convert": "output", "tokenize": "output"}
     checked = set()
     for command, cls in COMMANDS.items():
         for name, allowed in enumerated_flags(cls):
