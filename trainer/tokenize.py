@@ -250,7 +250,8 @@ def _finish(cfg, output, ident, n_tasks, seq_len):
     for r in records:
         c = r["counts"]
         bad.rows, bad.bad, bad.first = bad.rows + c["rows"], bad.bad + c["bad"], bad.first or c["first_bad"]
-        long.rows, long.long, long.dropped = long.rows + c["long_rows"], long.long + c["long"], long.dropped + c["dropped"]
+        long.rows, long.long = long.rows + c["long_rows"], long.long + c["long"]
+        long.dropped += c["dropped"]
     notes = data.check_counts(cfg, seq_len, bad, long)
     manifest = {**ident, "notes": notes, "docs": sum(r["docs"] for r in records),
                 "tokens": sum(r["tokens"] for r in records),
