@@ -156,11 +156,11 @@ def test_cli_on_datatrove_with_two_workers_and_a_killed_rerun(corpus, tmp_path):
     assert not (killed / "manifest.json").exists() or p.returncode == 0
     # ... and what a kill in the middle of a shard leaves: a temp dir, a shard without its record.
     (killed / "shards").mkdir(parents=True, exist_ok=True)
-    dead = killed / f"shards/.00002.tmp@{socket.gethostname()}@{p.pid}-x1y2"  # p is gone
+    dead = killed / f"shards/.00003.tmp@{socket.gethostname()}@{p.pid}-x1y2"  # p is gone
     dead.mkdir()
     (dead / "tokens").write_bytes(b"\0" * 10)
     (killed / f"shards/00001.json.tmp@{socket.gethostname()}@{p.pid}").write_text("{")
-    alive = killed / f"shards/.00002.tmp@{socket.gethostname()}@{os.getpid()}-x1y2"  # a live writer's
+    alive = killed / f"shards/.00003.tmp@{socket.gethostname()}@{os.getpid()}-x1y2"  # a live writer's
     alive.mkdir()
     (killed / "shards/00003.tokens").write_bytes(b"\1" * 7)
     (killed / "shards/00003.json").unlink(missing_ok=True)
