@@ -23,6 +23,7 @@ setup(
         "huggingface_hub",
         "fsspec",
         "gcsfs",
+        "zstandard",  # .zst corpora (fsspec's zstd codec)
         "tqdm",
         "datasets",
         "numpy",
@@ -32,10 +33,11 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "torch==2.13.0", "gcp-storage-emulator", "peft==0.21.2",
-                 "lm-eval==0.4.13", "openai", "playwright"],
+                 "lm-eval==0.4.13", "openai", "playwright", "datatrove==0.10.1"],
+        # trainer.tokenize on every core or many machines (~20 MB, pure Python, no cluster runtime)
+        "data": ["datatrove==0.10.1"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
-        "serve": [],
         # lm-eval-harness tasks (python -m trainer.eval --tasks=...); lm-eval pulls torch
         "eval": ["lm-eval==0.4.13"],
     },

@@ -197,8 +197,9 @@ def test_second_load_uses_the_cache(tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i} " * 20} for i in range(30)])
     c, tok = cfg(tmp_path, path=path), load_tokenizer("bytes")
     first = data.load_dataset(c, tok, seq_len=16)
-    assert [p.name for p in (tmp_path / "cache").iterdir()][0].endswith(".npz")
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # no temp file left behind
+    entry, = (tmp_path / "cache").iterdir()  # one shard directory, no temp file left behind
+    assert sorted(p.name for p in entry.iterdir()) == ["manifest.json", "plan.json", "shards"]
+    assert sorted(p.name for p in (entry / "shards").iterdir()) == ["00000.json", "00000.offsets", "00000.tokens"]
 
     def boom(*_):
         raise AssertionError("re-tokenized")
@@ -219,7 +220,8 @@ def test_remote_source_and_cache(tmp_path):
     fs.pipe("/corpus/a.jsonl", "".join(json.dumps({"text": f"remote {i} " * 9}) + "\n" for i in range(20)).encode())
     c = cfg(tmp_path, path="memory://corpus/*.jsonl", cache_dir="memory://cache")
     train, val = data.load_dataset(c, load_tokenizer("bytes"), seq_len=16)
-    assert [p for p in fs.ls("/cache", detail=False) if p.endswith(".npz")] == fs.ls("/cache", detail=False)
+    entry, = fs.ls("/cache", detail=False)
+    assert fs.exists(f"{entry}/manifest.json") and not [f for f in fs.find(entry) if "tmp" in f]
     again, _ = data.load_dataset(c, load_tokenizer("bytes"), seq_len=16)
     np.testing.assert_array_equal(train.rows, again.rows)
 

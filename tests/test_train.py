@@ -9,10 +9,11 @@ import pytest
 
 from conftest import REPO, run_cli
 from trainer import config, convert, eval as eval_cli, flags, generate as generate_cli, plan, serve
+from trainer import tokenize
 
 COMMANDS = {"train": config.TrainConfig, "eval": eval_cli.EvalFlags,
             "generate": generate_cli.GenerateFlags, "convert": convert.ConvertFlags,
-            "serve": serve.ServeFlags}
+            "serve": serve.ServeFlags, "tokenize": tokenize.TokenizeFlags}
 
 SMALL = ["--seq_len=64", "--batch_size=8", "--model.num_hidden_layers=2", "--eval_batches=2"]
 
@@ -87,8 +88,10 @@ def test_every_enumerated_flag_rejects_a_wrong_value_in_one_line(tmp_path, capsy
     """A wrong value for any enumerated flag of any command: one line naming the flag and
     its choices, exit status 1, before anything is written."""
     mains = {"train": __import__("trainer.train").train.main, "eval": eval_cli.main,
-             "generate": generate_cli.main, "convert": convert.main, "serve": serve.main}
-    writes = {"train": "output_dir", "convert": "output"}  # the flag naming what it writes
+             "generate": generate_cli.main, "convert": convert.main, "serve": serve.main,
+             "tokenize": tokenize.main}
+    # The flag naming what a command writes.
+    writes = {"train": "output_dir", "convert": "output", "tokenize": "output"}
     checked = set()
     for command, cls in COMMANDS.items():
         for name, allowed in enumerated_flags(cls):

@@ -23,7 +23,8 @@ DataFormat = Literal["text", "chat", "fields", "preference"]
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = flag("builtin", "builtin | FILE | GLOB | HF dataset name or dir (local or gs://)")
+    path: str = flag("builtin", "builtin | FILE | GLOB (.txt, .jsonl, .gz, .zst) | shard DIR from "
+                     "trainer.tokenize | HF dataset name or dir (local or gs://)")
     format: DataFormat = flag(
         "text", "row layouts: text {\"text\": str} or .txt files | chat {\"messages\": "
         "[{\"role\": system|user|assistant, \"content\": str}, ...]}, loss on assistant turns | "
@@ -50,6 +51,9 @@ class DataConfig:
     split: str = flag("train", "HF dataset split")
     val_fraction: float = flag(0.05, "fraction of documents held out for validation")
     cache_dir: str = flag("", "tokenization cache (empty: ~/.cache/meshlm/tokens)")
+    mix: str = flag("", "weighted sources instead of --data.path: NAME=WEIGHT:PATH,... e.g. "
+                    "'web=0.7:gs://b/web,code=0.3:gs://b/code'; each PATH as --data.path (shard "
+                    "dirs from trainer.tokenize, files, globs); each step draws rows by weight")
 
     def __post_init__(self):
         if not 0 <= self.val_fraction < 1:
@@ -62,6 +66,10 @@ class DataConfig:
         elif self.fields:
             raise ConfigError(f"--data.fields is read only with --data.format=fields, not "
                               f"--data.format={self.format}")
+        if self.mix:
+            if self.path != "builtin":
+                raise ConfigError("--data.mix names every source with its path; leave out --data.path")
+            parse_mix(self.mix)
         if self.format != "text" and self.packing == "stream":
             raise ConfigError(f"--data.packing=stream would run {self.format} documents into "
                               "each other; use --data.packing=isolated (or auto)")
@@ -70,6 +78,26 @@ class DataConfig:
     def isolated(self) -> bool:
         """Whether documents are packed whole, each its own segment."""
         return self.packing == "isolated" or (self.packing == "auto" and self.format != "text")
+
+
+def parse_mix(spec: str) -> list[tuple[str, float, str]]:
+    """--data.mix='web=0.7:PATH,code=0.3:PATH' -> [(name, weight, path), ...]."""
+    out = []
+    for part in spec.split(","):
+        name, eq, rest = part.partition("=")
+        weight, colon, path = rest.partition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not (eq and colon and name.strip() and path.strip()) or not w > 0:
+            raise ConfigError(f"--data.mix: cannot read {part!r}: each source is NAME=WEIGHT:PATH "
+                              "with a positive weight, e.g. 'web=0.7:gs://b/web,code=0.3:code/*.jsonl'")
+        out.append((name.strip(), w, path.strip()))
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--data.mix: source names must differ, got {', '.join(names)}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ Formats (--data.format) and their JSONL rows:
 Flow: a source yields rows -> each row is checked and becomes one document of ids with a
 per-token loss mask (two for a preference pair); a bad row is one DataError naming its file
 and line, or with --data.skip_bad_rows is skipped and counted; a conversation longer than a
-row is shortened by whole exchanges or dropped (--data.long) -> the documents are cached on
-disk -> split by whole documents (pairs) into train/validation -> packed into rows of
-seq_len+1 tokens -> `Dataset.batch(step)` picks rows by a per-epoch permutation. The batch
-for a step is a pure function of (data, seed, step): there is no iterator state (DESIGN
-rule 4).
+row is shortened by whole exchanges or dropped (--data.long) -> the documents are written
+to token shards (trainer/tokenize.py; --data.path may name such a directory, else the
+automatic cache builds one) -> split by whole documents (pairs) into train/validation ->
+packed into rows of seq_len+1 tokens -> `Dataset.batch(step)` picks rows by a per-epoch
+keyed permutation (permute.py). Text is read lazily from the shards (StreamDataset: only the
+rows a step needs); chat, fields and preference sets are packed in memory. --data.mix draws
+each step's rows from several such sources by weight (Mixture). The batch for a step is a
+pure function of (data, seed, step): there is no iterator state (DESIGN rule 4).
 
 Packing (--data.packing): `stream` concatenates documents and cuts the stream into rows
 (text); `isolated` places documents whole into rows, greedily in order, each its own
@@ -28,21 +31,24 @@ per document within a row, 0 on padding) and "positions" (from 0 in each documen
 another segment than the input. The train step divides the summed token loss of the whole
 global batch (all micro-batches and hosts) by the number of unmasked targets in it.
 """
+import dataclasses
 import functools
 import hashlib
 import io
 import itertools
 import json
 import logging
+import math
 import os
 
 import fsspec
 import numpy as np
 
-from trainer import storage
-from trainer.config import DataConfig
+from trainer import shards, storage
+from trainer.config import DataConfig, parse_mix
 from trainer.errors import UserError, one_line
 from trainer.flags import ConfigError
+from trainer.permute import Permutation
 from trainer.tokenizer import Tokenizer, parse_fields
 
 log = logging.getLogger(__name__)
@@ -55,7 +61,9 @@ log.propagate = False
 
 CACHE_VERSION = 3          # bump when the cached layout or tokenization rules change
 _TEXT_CHUNK_CHARS = 1 << 16  # .txt files longer than this are split at blank lines
+JSONL_TASK_BYTES = 1 << 28  # an uncompressed .jsonl file is tokenized in pieces of this size
 ROLES = ("system", "user", "assistant")
+COMPRESSED = {".gz": "gzip", ".zst": "zstd"}  # read through as the suffix says
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
@@ -101,10 +109,64 @@ def _resolve_source(cfg: DataConfig):
     return key, lambda: (r for f in files for r in _file_rows(fs, f, cfg))
 
 
+def source_tasks(cfg: DataConfig):
+    """(sources, tasks, sizes): the source's identity (as the cache key has it), its units of
+    work for the shard builder, in corpus order, and their sizes in bytes (None: unknown). A
+    task is a file's URL; [URL, start, end] for the lines that begin in bytes [start, end)
+    of a large uncompressed .jsonl file, so that several workers share it; or None for
+    builtin or an HF dataset (one task)."""
+    key, _ = _resolve_source(cfg)
+    if not (key and isinstance(key[0], list)):
+        return key, [None], [None]
+    tasks, sizes = [], []
+    for url, size, _ in key:
+        if url.endswith(".jsonl") and size and size > JSONL_TASK_BYTES:
+            for start in range(0, size, JSONL_TASK_BYTES):
+                tasks.append([url, start, min(size, start + JSONL_TASK_BYTES)])
+                sizes.append(tasks[-1][2] - start)
+        else:
+            tasks.append(url)
+            sizes.append(size)
+    return key, tasks, sizes
+
+
+def task_rows(cfg: DataConfig, task, opened=None):
+    """The rows of one unit of work from source_tasks."""
+    if task is None:
+        return _resolve_source(cfg)[1]()
+    if isinstance(task, list):
+        fs, path = fsspec.core.url_to_fs(task[0])
+        return _jsonl_range_rows(fs, path, task[1], task[2], opened)
+    fs, path = fsspec.core.url_to_fs(task)
+    return _file_rows(fs, path, cfg, opened)
+
+
+def _jsonl_range_rows(fs, path, start, end, opened=None):
+    """The rows of the lines of a .jsonl file that begin in bytes [start, end). `where` says
+    the byte offset of the line (its number would need every byte before it read)."""
+    url = fs.unstrip_protocol(path)
+    name = path if storage.is_local(url) else url
+    with fs.open(path, "rb") as f:
+        if opened is not None:
+            opened.append(f)
+        pos = start
+        if start:  # the line under way at `start` belongs to the task before
+            f.seek(start - 1)
+            pos = start - 1 + len(f.readline())
+        while pos < end:
+            line = f.readline()
+            if not line:
+                break
+            where = f"{name}:byte {pos}"
+            pos += len(line)
+            if line.strip():
+                yield where, _json_row(line.decode("utf-8"), where)
+
+
 def _looks_like_file(spec: str) -> bool:
     """A missing path that is clearly meant as a file (not a Hugging Face dataset name)."""
     suffix = os.path.splitext(spec)[1]
-    return "://" in spec or spec.startswith((".", "/", "~")) or suffix in (".txt", ".jsonl", ".json", ".gz")
+    return "://" in spec or spec.startswith((".", "/", "~")) or suffix in (".txt", ".jsonl", ".json", *COMPRESSED)
 
 
 def _builtin_rows(field):
@@ -114,12 +176,26 @@ def _builtin_rows(field):
         yield f"builtin:{name}", {field: topics[name]}
 
 
-def _file_rows(fs, path, cfg):
+def _file_rows(fs, path, cfg, opened=None):
+    """The rows of one file; `opened`, a list, receives the raw (compressed) file object, so
+    that a caller can follow how far it has read."""
     url = fs.unstrip_protocol(path)
     name = path if storage.is_local(url) else url  # as the user wrote it
-    stem = path[:-3] if path.endswith(".gz") else path
+    stem, suffix = os.path.splitext(path)
+    codec = COMPRESSED.get(suffix)
+    stem = stem if codec else path
     empty = DataError(f"{name}: the file is empty; remove it or leave it out of --data.path")
-    with fs.open(path, "rt", encoding="utf-8", compression="infer") as f:
+    with fs.open(path, "rb") as raw:
+        if opened is not None:
+            opened.append(raw)
+        yield from _text_rows(raw, codec, stem, name, cfg, empty)
+
+
+def _text_rows(raw, codec, stem, name, cfg, empty):
+    if codec:
+        from fsspec.compression import compr
+        raw = compr[codec](raw, mode="rb")
+    with io.TextIOWrapper(raw, encoding="utf-8") as f:
         if stem.endswith(".jsonl"):
             lines = 0
             for lineno, line in enumerate(f, 1):
@@ -344,8 +420,6 @@ class _BadRows:
                 self.bad, self.first = self.bad + 1, self.first or str(e)
                 continue
             yield where, value
-        if self.bad and self.bad == self.rows:
-            raise DataError(f"all {self.rows:,} rows are bad (first: {self.first})")
 
     def notes(self) -> list[str]:
         return [f"data: skipped {self.bad:,} bad rows of {self.rows:,} (first: {self.first})"] if self.bad else []
@@ -436,26 +510,37 @@ class _LongRows:
 
 # ------------------------------------------------------------------ tokenization + cache
 
-def _tokenize(rows, tokenizer: Tokenizer, cfg: DataConfig, seq_len: int):
-    """Every good row becomes its documents, as the tokenizer's rules say (tokenizer.py).
-    Returns (tokens uint32, offsets int64 [n_docs+1], mask uint8 or None for text, notes:
-    the warnings to show on every run)."""
-    bad = _BadRows(cfg.skip_bad_rows)
-    docs = []
+def documents(rows, tokenizer: Tokenizer, cfg: DataConfig, seq_len: int, bad, long):
+    """Every good row becomes its documents, as the tokenizer's rules say (tokenizer.py):
+    yields (ids, mask or None for text); `bad` (_BadRows) and `long` (_LongRows) count."""
     if cfg.format == "text":
         texts = (text for _, text in bad.filter(rows, lambda where, row: _text(row, where, cfg.text_field)))
         while batch := list(itertools.islice(texts, 1024)):  # batches let HF use its threads
-            docs += [(ids, None) for ids in tokenizer.encode_documents(batch)]
-        notes = bad.notes()
+            yield from ((ids, None) for ids in tokenizer.encode_documents(batch))
     else:
-        long = _LongRows(cfg, seq_len)
         for _, (row_docs, outcome) in bad.filter(rows, _row_encoder(cfg, tokenizer, seq_len + 1)):
             long.count(outcome)
-            docs += row_docs
-        if long.rows and long.dropped == long.rows:
-            raise DataError(f"--seq_len={seq_len}: {long.notes()[0][len('data: '):]}, so none is left; "
-                            "raise --seq_len")
-        notes = bad.notes() + long.notes()
+            yield from row_docs
+
+
+def check_counts(cfg: DataConfig, seq_len: int, bad, long) -> list[str]:
+    """The errors a whole corpus can end in (every row bad, every row too long), else the
+    warnings to show on every run."""
+    if bad.bad and bad.bad == bad.rows:
+        raise DataError(f"all {bad.rows:,} rows are bad (first: {bad.first})")
+    if long.rows and long.dropped == long.rows:
+        raise DataError(f"--seq_len={seq_len}: {long.notes()[0][len('data: '):]}, so none is left; "
+                        "raise --seq_len")
+    return bad.notes() + long.notes()
+
+
+def _tokenize(rows, tokenizer: Tokenizer, cfg: DataConfig, seq_len: int):
+    """The whole source tokenized in memory (the reference the shards are tested against).
+    Returns (tokens uint32, offsets int64 [n_docs+1], mask uint8 or None for text, notes:
+    the warnings to show on every run)."""
+    bad, long = _BadRows(cfg.skip_bad_rows), _LongRows(cfg, seq_len)
+    docs = list(documents(rows, tokenizer, cfg, seq_len, bad, long))
+    notes = check_counts(cfg, seq_len, bad, long)
     offsets = np.zeros(len(docs) + 1, np.int64)
     np.cumsum([len(ids) for ids, _ in docs], out=offsets[1:])
     tokens = np.concatenate([np.asarray(ids, np.uint32) for ids, _ in docs]) if docs else np.zeros(0, np.uint32)
@@ -465,35 +550,67 @@ def _tokenize(rows, tokenizer: Tokenizer, cfg: DataConfig, seq_len: int):
     return tokens, offsets, mask, notes
 
 
-def _cached_tokenize(cfg: DataConfig, tokenizer, seq_len):
-    """Tokenize the source once; later runs load the .npz from the cache (local or gs://).
-    The warnings of the first run (bad rows, long conversations) are shown again."""
-    fmt = cfg.format
-    source_key, rows = _resolve_source(cfg)
-    # Non-text documents depend on seq_len: long ones are shortened or dropped.
-    how = [cfg.text_field] if fmt == "text" else [cfg.messages_field, cfg.fields, cfg.long, seq_len]
-    key = json.dumps([CACHE_VERSION, source_key, tokenizer.fingerprint(), fmt, cfg.skip_bad_rows, *how])
+def _cached_shards(cfg: DataConfig, tokenizer, seq_len) -> str:
+    """The shard directory of a source: --data.path itself when it is one, else the
+    automatic cache, a small local run of the shard builder (trainer/tokenize.py) in
+    --data.cache_dir (local or gs://), keyed by everything the tokens depend on. The
+    warnings of the first run (bad rows, long conversations) are shown again."""
+    from trainer import tokenize
+    if is_shard_dir(cfg.path):
+        return cfg.path
+    if not _is_glob(cfg.path) and storage.exists(cfg.path.rstrip("/") + "/plan.json"):
+        raise DataError(f"--data.path: {cfg.path} is an unfinished shard directory; re-run the "
+                        "trainer.tokenize command that writes it, which continues where it stopped")
+    sources = source_tasks(cfg)[0]
+    key = json.dumps(tokenize.identity(cfg, tokenizer, seq_len, sources), sort_keys=True)
     cache_dir = cfg.cache_dir or os.path.expanduser("~/.cache/meshlm/tokens")
-    fs, root = fsspec.core.url_to_fs(cache_dir)
-    file = f"{root.rstrip('/')}/{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
-    if fs.exists(file):
-        with fs.open(file, "rb") as f:
-            z = np.load(io.BytesIO(f.read()))
-        tokens, offsets, notes = z["tokens"], z["offsets"], [str(n) for n in z["notes"]]
-        mask = z["mask"] if "mask" in z.files else None
-        log.info("data: %d documents (%d tokens) from the cache %s", len(offsets) - 1, len(tokens), file)
-    else:
-        tokens, offsets, mask, notes = _tokenize(rows(), tokenizer, cfg, seq_len)
-        arrays = dict(tokens=tokens, offsets=offsets, notes=np.array(notes, dtype=str))
-        arrays |= {"mask": mask} if mask is not None else {}
-        fs.makedirs(root, exist_ok=True)
-        tmp = f"{file}.tmp-{os.getpid()}"  # write then rename: a killed run never leaves half a cache
-        with fs.open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        fs.mv(tmp, file)
-        log.info("data: tokenized %d documents (%d tokens); cached at %s", len(offsets) - 1, len(tokens), file)
-    for note in notes:
+    root = f"{cache_dir.rstrip('/')}/{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+    fresh = shards.read_manifest(root) is None
+    try:
+        tokenize.build(cfg, tokenizer, root, seq_len, progress=None)
+    except UserError:  # a bad source leaves no cache behind
+        fs, path = storage.fs_and_path(root)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        raise
+    log.info("data: %s %s", "tokenized into" if fresh else "from the cache", root)
+    return root
+
+
+def is_shard_dir(path: str) -> bool:
+    """Whether path is a finished shard directory (trainer.tokenize's output)."""
+    return path != "builtin" and not _is_glob(path) and shards.read_manifest(path) is not None
+
+
+def _read_manifest_for(root, cfg: DataConfig, tokenizer, seq_len) -> dict:
+    """The manifest of a shard directory, checked against this run's tokenizer and format."""
+    m = shards.read_manifest(root)
+    if m["tokenizer"] != tokenizer.fingerprint():
+        raise DataError(f"--data.path: the shards in {root} were made with another tokenizer "
+                        f"({m['tokenizer'].split('|')[0]}); re-run trainer.tokenize with --tokenizer="
+                        f"{tokenizer.name}, or train with theirs")
+    if m["format"] != cfg.format:
+        raise DataError(f"--data.path: the shards in {root} hold --data.format={m['format']} "
+                        f"documents; pass --data.format={m['format']}")
+    if cfg.format != "text" and m["seq_len"] > seq_len:
+        raise DataError(f"--seq_len={seq_len}: the shards in {root} were fitted to rows of "
+                        f"--seq_len={m['seq_len']}; train with that or re-run trainer.tokenize "
+                        f"with --seq_len={seq_len}")
+    for note in m["notes"]:
         log.warning(note)
+    return m
+
+
+def _load_all(reader: "shards.ShardReader"):
+    """Every document of a shard directory in memory: (tokens, offsets, mask or None)."""
+    tokens = np.zeros(0, np.uint32) if not reader.manifest["tokens"] else np.concatenate(
+        reader.read("tokens", reader.split_ranges(0, int(reader.token_start[-1])))).astype(np.uint32)
+    offsets = np.concatenate([[0]] + [np.asarray(reader.offsets(i))[1:] + reader.token_start[i]
+                                      for i in range(len(reader.shard_docs))]).astype(np.int64)
+    mask = None
+    if reader.manifest["format"] != "text":
+        mask = np.concatenate([np.zeros(0, np.uint8)] + reader.read(
+            "mask", reader.split_ranges(0, int(reader.token_start[-1]))))
     return tokens, offsets, mask
 
 
@@ -550,15 +667,25 @@ def _pair_rows(tokens, offsets, mask, row_len, pad_id):
     return rows, rmask
 
 
+VAL_KEY = (0x5EED, 0)  # the held-out split's permutation key: fixed, so --seed never moves it
+
+
+def validation_doc_ids(n_docs, val_fraction) -> np.ndarray:
+    """The held-out documents, sorted: those a fixed keyed permutation puts first, the same
+    on every run and host. Costs O(held-out documents), not O(documents)."""
+    if val_fraction <= 0:
+        return np.zeros(0, np.int64)
+    n_val = max(1, round(n_docs * val_fraction))
+    if n_val >= n_docs:
+        raise DataError(f"--data.path: only {n_docs} document(s), too few to hold {n_val} out for validation; "
+                        "add data or set --data.val_fraction=0")
+    return np.sort(Permutation(n_docs, VAL_KEY).inverse(np.arange(n_val)))
+
+
 def _validation_docs(n_docs, val_fraction) -> np.ndarray:
-    """A fixed pseudo-random set of whole documents, the same on every run and host."""
+    """validation_doc_ids as a mask over all documents (the in-memory path)."""
     is_val = np.zeros(n_docs, bool)
-    if val_fraction > 0:
-        n_val = max(1, round(n_docs * val_fraction))
-        if n_val >= n_docs:
-            raise DataError(f"--data.path: only {n_docs} document(s), too few to hold {n_val} out for validation; "
-                            "add data or set --data.val_fraction=0")
-        is_val[np.random.default_rng(0).permutation(n_docs)[:n_val]] = True
+    is_val[validation_doc_ids(n_docs, val_fraction)] = True
     return is_val
 
 
@@ -573,9 +700,15 @@ def _select_docs(tokens, offsets, mask, keep):
 
 # --------------------------------------------------------------------------- datasets
 
-@functools.lru_cache(maxsize=4)
-def _permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+def epoch_rows(num_rows: int, seed: int, positions, salt: tuple = ()) -> np.ndarray:
+    """The rows at global draw positions (over endless epochs): epoch e's order is a keyed
+    permutation (seed, e) of the rows, O(1) memory and looked up position by position."""
+    g = np.asarray(positions, np.int64)
+    epochs, pos = np.divmod(g, num_rows)
+    out = np.empty_like(g)
+    for e in np.unique(epochs):
+        out[epochs == e] = Permutation(num_rows, (seed, int(e), *salt))(pos[epochs == e])
+    return out
 
 
 def _positions(segments):
@@ -601,18 +734,22 @@ class Dataset:
         """Dataset rows for global batch positions `rows` of `step`, over endless epochs."""
         local = range(batch_size)[rows] if rows is not None else range(batch_size)
         g = step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
-        epochs, pos = np.divmod(g, self.num_rows)
-        out = np.empty_like(g)
-        for e in np.unique(epochs):
-            out[epochs == e] = _permutation(self.num_rows, seed, int(e))[pos[epochs == e]]
-        return out
+        return epoch_rows(self.num_rows, seed, g)
+
+    def epochs(self, step: int, batch_size: int) -> dict:
+        """{"epochs": passes over the rows in steps [0, step)}, for the metrics."""
+        return {"epochs": step * batch_size / max(self.num_rows, 1)}
+
+    def _take(self, ids):
+        """(tokens, row mask, segments or None) of the rows ids."""
+        return self.rows[ids], self.row_mask[ids], None if self.segments is None else self.segments[ids]
 
     def _make(self, ids) -> dict[str, np.ndarray]:
-        tok, mask = self.rows[ids], self.row_mask[ids]
+        tok, mask, segments = self._take(ids)
         batch = {"inputs": tok[..., :-1].astype(np.int32), "targets": tok[..., 1:].astype(np.int32),
                  "loss_mask": mask[..., 1:].astype(np.float32)}
-        if self.segments is not None:
-            segments = self.segments[ids][:, :-1]
+        if segments is not None:
+            segments = segments[:, :-1]
             batch |= {"segment_ids": segments, "positions": _positions(segments)}
         return batch
 
@@ -637,6 +774,138 @@ class Dataset:
             yield b
 
 
+class StreamDataset(Dataset):
+    """Stream-packed rows read from shards on demand (local: a memory map; gs://: byte-range
+    reads), the same rows `_stream_rows` cuts in memory. The stream is the concatenation of
+    `segments`, global token ranges of the shard directory in order; row r is stream tokens
+    [r * row_len, (r + 1) * row_len). Memory: the segments (one per held-out document),
+    never the tokens."""
+
+    def __init__(self, reader, segments: np.ndarray, row_len: int, pad_id: int, keep_tail: bool):
+        self.reader, self.pad_id, self.row_len, self.segments = reader, pad_id, row_len, None
+        self.seg_start = segments[:, 0]
+        self.cum = np.concatenate([[0], np.cumsum(segments[:, 1] - segments[:, 0])]).astype(np.int64)
+        self.total = int(self.cum[-1])
+        self.num_rows = self.total // row_len + (1 if keep_tail and self.total % row_len else 0)
+        self.seq_len = row_len - 1
+
+    def _take(self, ids):
+        ids = np.asarray(ids, np.int64)
+        L = self.row_len
+        tok = np.full((len(ids), L), self.pad_id, np.uint32)
+        mask = np.zeros((len(ids), L), np.uint8)
+        where, ranges = [], []  # (row, column) of each global token range read
+        for n, r in enumerate(ids):
+            p, end = int(r) * L, min((int(r) + 1) * L, self.total)
+            j = int(np.searchsorted(self.cum, p, "right")) - 1
+            while p < end:
+                take = min(end, int(self.cum[j + 1])) - p
+                start = int(self.seg_start[j]) + p - int(self.cum[j])
+                for a, b in self.reader.split_ranges(start, start + take):
+                    where.append((n, p - int(r) * L + a - start))
+                    ranges.append((a, b))
+                p, j = p + take, j + 1
+        for (n, col), piece in zip(where, self.reader.read("tokens", ranges)):
+            tok[n, col:col + len(piece)] = piece
+            mask[n, col:col + len(piece)] = 1
+        return tok, mask, None
+
+    @property
+    def rows(self):  # every row at once: for small sets and tests
+        return self._take(np.arange(self.num_rows))[0]
+
+    @property
+    def row_mask(self):
+        return self._take(np.arange(self.num_rows))[1]
+
+
+def _split_segments(reader, val_ids: np.ndarray):
+    """(train, validation) segments of a shard directory: the held-out documents' global
+    token ranges, and the ranges between them. Reads the offsets of the shards that hold
+    held-out documents, one shard at a time."""
+    starts, stops = np.zeros(len(val_ids), np.int64), np.zeros(len(val_ids), np.int64)
+    shard_of = np.searchsorted(reader.doc_start, val_ids, "right") - 1
+    for i in np.unique(shard_of):
+        sel = shard_of == i
+        local = val_ids[sel] - reader.doc_start[i]
+        offsets = reader.offsets(int(i))
+        starts[sel] = offsets[local] + reader.token_start[i]
+        stops[sel] = offsets[local + 1] + reader.token_start[i]
+    val = np.stack([starts, stops], 1)
+    edges = np.concatenate([[0], stops]), np.concatenate([starts, [reader.token_start[-1]]])
+    train = np.stack(edges, 1)
+    return train[train[:, 1] > train[:, 0]], val[val[:, 1] > val[:, 0]]
+
+
+class Mixture:
+    """Training rows drawn from several sources by weight, a pure function of (seed, step).
+
+    Weights become small integers q_s (per mille, divided by their gcd), and the global draw
+    positions run through a fixed period of sum(q) slots in which source s has exactly q_s,
+    spread evenly (smooth weighted round robin). So after n draws source s has had n * w_s
+    of them, give or take one, its k-th draw is found without counting (k from the period
+    and a prefix table), and it reads row epoch_rows(k) of that source: every row of a
+    source once per epoch of that source, in a keyed order of its own."""
+
+    def __init__(self, names, weights, datasets):
+        self.names, self.datasets = list(names), list(datasets)
+        q = [max(1, round(1000 * w / sum(weights))) for w in weights]
+        g = functools.reduce(math.gcd, q)
+        self.q = np.array([x // g for x in q], np.int64)
+        period, credit = int(self.q.sum()), np.zeros(len(q), np.int64)
+        self.order = np.zeros(period, np.int64)
+        for t in range(period):
+            credit += self.q
+            s = int(np.argmax(credit))
+            self.order[t], credit[s] = s, credit[s] - period
+        self.before = np.zeros((period + 1, len(q)), np.int64)  # draws of each source in slots [0, t)
+        self.before[1:] = np.cumsum(np.eye(len(q), dtype=np.int64)[self.order], 0)
+        self.pad_id, self.seq_len = datasets[0].pad_id, datasets[0].seq_len
+        self.num_rows = sum(d.num_rows for d in datasets)
+
+    def draws(self, positions):
+        """(source, that source's draw index) of global draw positions."""
+        g = np.asarray(positions, np.int64)
+        cycles, slot = np.divmod(g, len(self.order))
+        source = self.order[slot]
+        return source, cycles * self.q[source] + self.before[slot, source]
+
+    def batch(self, step: int, batch_size: int, seed: int, rows: slice | None = None):
+        local = range(batch_size)[rows] if rows is not None else range(batch_size)
+        g = step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
+        source, k = self.draws(g)
+        out = None
+        for s in np.unique(source):
+            sel = source == s
+            ds = self.datasets[s]
+            part = ds._make(epoch_rows(ds.num_rows, seed, k[sel], salt=(int(s) + 1,)))
+            if out is None:
+                out = {key: np.zeros((len(g), *v.shape[1:]), v.dtype) for key, v in part.items()}
+            for key, v in part.items():
+                out[key][sel] = v
+        return out
+
+    def epochs(self, step: int, batch_size: int) -> dict:
+        """{"epochs.<name>": epochs of each source seen in steps [0, step)}."""
+        counts = np.zeros(len(self.names), np.int64)
+        if step:
+            cycles, slot = divmod(step * batch_size, len(self.order))
+            counts = cycles * self.q + self.before[slot]
+        return {f"epochs.{n}": float(c / d.num_rows) for n, c, d in zip(self.names, counts, self.datasets)}
+
+
+class HeldOut:
+    """The validation rows of a mixture: each source's, in turn (`parts` by name)."""
+
+    def __init__(self, parts: dict):
+        self.parts = parts
+        self.num_rows = sum(d.num_rows for d in parts.values())
+
+    def eval_batches(self, batch_size: int):
+        for d in self.parts.values():
+            yield from d.eval_batches(batch_size)
+
+
 def batch_shapes(cfg: DataConfig, batch_size: int, seq_len: int) -> dict:
     """{key: (shape, dtype)} of the batches `Dataset.batch` gives for this data config: what
     the train step is compiled for, known without reading any data (trainer.plan)."""
@@ -652,12 +921,51 @@ def batch_shapes(cfg: DataConfig, batch_size: int, seq_len: int) -> dict:
     return out
 
 
-def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
-    """(train, validation) for the source in cfg (see the module docstring)."""
-    spec, row_len, pad_id = cfg.path, seq_len + 1, tokenizer.pad_id
+def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int):
+    """(train, validation) for the source in cfg (see the module docstring): text is read
+    lazily from the shards (the corpus may be larger than memory), chat, fields and
+    preference data (fine-tuning sets) are packed in memory; --data.mix mixes sources."""
+    if cfg.mix:
+        names, weights, parts = [], [], {}
+        train = []
+        for name, weight, path in parse_mix(cfg.mix):
+            t, v = load_dataset(dataclasses.replace(cfg, path=path, mix=""), tokenizer, seq_len)
+            names.append(name)
+            weights.append(weight)
+            train.append(t)
+            parts[name] = v
+        return Mixture(names, weights, train), HeldOut(parts)
     if cfg.format == "fields":
         _check_specials(parse_fields(cfg.fields), tokenizer)
-    tokens, offsets, mask = _cached_tokenize(cfg, tokenizer, seq_len)
+    root = _cached_shards(cfg, tokenizer, seq_len)
+    manifest = _read_manifest_for(root, cfg, tokenizer, seq_len)
+    reader = shards.ShardReader(root, manifest)
+    spec, row_len, pad_id = cfg.path, seq_len + 1, tokenizer.pad_id
+    if cfg.format == "text" and not cfg.isolated:
+        n_docs = manifest["docs"]
+        if n_docs == 0:
+            raise DataError(f"--data.path: no documents found in {spec}")
+        train_seg, val_seg = _split_segments(reader, validation_doc_ids(n_docs, cfg.val_fraction))
+        train = StreamDataset(reader, train_seg, row_len, pad_id, keep_tail=False)
+        if train.num_rows == 0:
+            raise DataError(f"--data.path: the training split of {spec} has {train.total} tokens, but one row "
+                            f"needs at least seq_len+1 = {row_len}; use a smaller --seq_len or more data")
+        return train, StreamDataset(reader, val_seg, row_len, pad_id, keep_tail=True)
+    return _pack(cfg, *_load_all(reader), row_len, pad_id)
+
+
+def load_dataset_in_memory(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Dataset, Dataset]:
+    """(train, validation) tokenized and packed in memory, with no shards: the reference
+    the shard path is tested against."""
+    if cfg.format == "fields":
+        _check_specials(parse_fields(cfg.fields), tokenizer)
+    tokens, offsets, mask, notes = _tokenize(_resolve_source(cfg)[1](), tokenizer, cfg, seq_len)
+    return _pack(cfg, tokens, offsets, mask, seq_len + 1, tokenizer.pad_id)
+
+
+def _pack(cfg: DataConfig, tokens, offsets, mask, row_len, pad_id) -> tuple[Dataset, Dataset]:
+    """Split by whole documents (pairs) and pack both splits in memory."""
+    spec = cfg.path
     per_doc = 2 if cfg.format == "preference" else 1  # a pair's two documents stay together
     n_docs = (len(offsets) - 1) // per_doc
     if n_docs == 0:

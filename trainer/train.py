@@ -492,6 +492,7 @@ def _run(cfg, stop):
         compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
         write_run_config(cfg)
         steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log)
+        steplog.data_fields = train_data.epochs  # epochs seen (of each source of a mixture)
         evaluate = functools.partial(held_out_loss, cfg, trainer, val_data, feed)
         if start == 0:
             steplog.val_loss(0, evaluate(state))  # the untrained model; every process takes part
@@ -668,17 +669,26 @@ def write_run_config(cfg):
 
 
 def held_out_loss(cfg, trainer, val_data, feed, state):
-    """Mean loss over (up to --eval_batches of) the validation rows; None without any."""
-    if val_data.num_rows == 0:
-        return None
-    loss_sum, count = 0.0, 0.0
-    for i, full in enumerate(val_data.eval_batches(cfg.batch_size)):
-        if cfg.eval_batches and i >= cfg.eval_batches:
-            break
-        s, n = trainer.eval_fn(state, feed.to_global(
-            {k: v[feed.rows] for k, v in full.items()}))
-        loss_sum, count = loss_sum + float(s), count + float(n)
-    return loss_sum / max(count, 1.0)
+    """{"val_loss": mean loss over (up to --eval_batches of) the validation rows}, plus
+    "val_loss.<name>" for each source of a --data.mix (val_loss: their token-weighted
+    mean); {} without any rows."""
+    mixture = hasattr(val_data, "parts")
+    out, total = {}, [0.0, 0.0]
+    for name, part in (val_data.parts if mixture else {"": val_data}).items():
+        if part.num_rows == 0:
+            continue
+        loss_sum, count = 0.0, 0.0
+        for i, full in enumerate(part.eval_batches(cfg.batch_size)):
+            if cfg.eval_batches and i >= cfg.eval_batches:
+                break
+            s, n = trainer.eval_fn(state, feed.to_global(
+                {k: v[feed.rows] for k, v in full.items()}))
+            loss_sum, count = loss_sum + float(s), count + float(n)
+        out[f"val_loss.{name}" if mixture else "val_loss"] = loss_sum / max(count, 1.0)
+        total = [total[0] + loss_sum, total[1] + count]
+    if mixture and out:
+        out = {"val_loss": total[0] / max(total[1], 1.0), **out}
+    return out
 
 
 class StepLog:
@@ -694,14 +704,15 @@ class StepLog:
                         if is_main else None)
         self.bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
         self.window_start, self.window_from = time.perf_counter(), start
+        self.data_fields = None  # step -> extra metrics of the data (epochs per source)
 
     def due(self, step):
         return step % self.cfg.log_every == 0 or step == self.cfg.steps
 
-    def val_loss(self, step, loss):
-        if loss is not None and self.is_main:
-            self.metrics.write({"step": step, "val_loss": loss})
-            self.log(f"step {step}: val_loss {loss:.4f}")
+    def val_loss(self, step, losses):
+        if losses and self.is_main:
+            self.metrics.write({"step": step, **losses})
+            self.log(f"step {step}: val_loss {losses['val_loss']:.4f}")
         self.window_start = time.perf_counter()  # evaluation time is not training throughput
 
     def add(self, metrics):
@@ -733,10 +744,10 @@ class StepLog:
         record.update({k: float(v) for k, v in metrics.items() if k in dpo.METRICS})
         if metrics["skipped"]:
             record["skipped"] = True
+        if self.data_fields:
+            record |= self.data_fields(step, cfg.batch_size)
         if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-            val = evaluate()  # every process: evaluation is a collective
-            if val is not None:
-                record["val_loss"] = val
+            record |= evaluate()  # every process: evaluation is a collective
         if self.is_main:
             self.metrics.write(record)
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
