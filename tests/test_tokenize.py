@@ -328,6 +328,33 @@ def test_train_on_a_shard_dir_and_a_mixture(corpus, tmp_path):
             f"--output_dir={tmp_path}/run", "--compile_cache=")
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
-    assert last["step"] == 4 and {"val_loss.web", "val_loss.code", "epochs.web", "epochs.code"} <= set(last)
+    assert last["step"] == 4 and {"val_loss.web", "val_loss.code", "epochs.web", "epochs.code",
+                                  "loss.web", "loss.code"} <= set(last)
+    # The step's loss is the token-weighted mean of the sources': it lies between them.
+    assert min(last["loss.web"], last["loss.code"]) <= last["loss"] <= max(last["loss.web"], last["loss.code"])
     train, _ = data.load_dataset(DataConfig(path=root), load_tokenizer("bytes"), 64)
     assert last["epochs.web"] == pytest.approx(4 * 8 * 0.75 / train.num_rows)
+
+
+def test_per_source_training_loss_is_each_sources_own_loss():
+    """The mixture objective's per-source sums equal the loss of each source's rows alone."""
+    import jax
+    from trainer import train
+    from trainer.model import batch_loss, build_model
+    cfg = train.resolve_config(["--data.mix=a=0.5:x,b=0.5:y", "--model.num_hidden_layers=1"])
+    model = build_model(cfg.model)
+    params = model.init(jax.random.PRNGKey(0), np.zeros((1, 16), np.int32))["params"]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (6, 17), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": (rng.random((6, 16)) < 0.7).astype(np.float32),
+             "source": np.array([0, 1, 1, 0, 1, 1], np.int32)}
+    objective = train.make_objective(cfg, model, None)
+    loss, count, sums = objective.loss(params, None, batch, None)
+    assert set(objective.metrics) == set(sums) == {"loss_sum.a", "tokens.a", "loss_sum.b", "tokens.b"}
+    for i, name in enumerate("ab"):
+        rows = {k: v[batch["source"] == i] for k, v in batch.items() if k != "source"}
+        alone, n = batch_loss(model, params, rows)
+        np.testing.assert_allclose(sums[f"loss_sum.{name}"], alone, rtol=1e-5)
+        assert float(sums[f"tokens.{name}"]) == float(n)
+    np.testing.assert_allclose(loss, sums["loss_sum.a"] + sums["loss_sum.b"], rtol=1e-6)

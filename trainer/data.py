@@ -883,6 +883,7 @@ class Mixture:
                 out = {key: np.zeros((len(g), *v.shape[1:]), v.dtype) for key, v in part.items()}
             for key, v in part.items():
                 out[key][sel] = v
+        out["source"] = source.astype(np.int32)  # per-source loss (train.make_objective)
         return out
 
     def epochs(self, step: int, batch_size: int) -> dict:
@@ -918,6 +919,8 @@ def batch_shapes(cfg: DataConfig, batch_size: int, seq_len: int) -> dict:
            "loss_mask": (shape, np.float32)}
     if cfg.isolated:
         out |= {"segment_ids": (shape, np.int32), "positions": (shape, np.int32)}
+    if cfg.mix:
+        out["source"] = ((batch_size,), np.int32)  # which --data.mix source each row is from
     return out
 
 

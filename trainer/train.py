@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from trainer import attention, checkpoint, data, dpo, flags, loading, lora, optim, sharding
 from trainer import storage
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, parse_mix
 from trainer.errors import UserError
 from trainer.families import ModelConfig
 from trainer.flags import ConfigError
@@ -55,6 +55,21 @@ def make_objective(cfg, model, trainable):
     """Next-token loss on the masked targets, or DPO for --data.format=preference (its
     reference: the base model with LoRA's adapters off, else the params with a frozen copy
     of the starting values of the trainable ones)."""
+    if cfg.data.mix:  # rows say their source: the loss per source too
+        names = [name for name, _, _ in parse_mix(cfg.data.mix)]
+
+        def mixture_objective(params, state, batch, rng):
+            if "source" not in batch:  # held-out rows are scored one source at a time
+                return *batch_loss(model, params, batch, rng), {}
+            losses, counts = batch_loss(model, params, batch, rng, per_row=True)
+            sums = {}
+            for i, name in enumerate(names):
+                rows = batch["source"] == i
+                sums[f"loss_sum.{name}"] = jnp.sum(jnp.where(rows, losses, 0.0))
+                sums[f"tokens.{name}"] = jnp.sum(jnp.where(rows, counts, 0.0))
+            return jnp.sum(losses), jnp.sum(counts), sums
+        return Objective(mixture_objective, tuple(
+            f"{kind}.{name}" for name in names for kind in ("loss_sum", "tokens")))
     if cfg.data.format != "preference":
         return Objective(lambda params, state, batch, rng: (
             *batch_loss(model, params, batch, rng), {}))
@@ -80,7 +95,8 @@ def train_step(state, batch, *, objective, trainable, optimizer, schedule, grad_
     nan_steps (testing aid, --debug_nan_steps): steps, numbered as logged, whose loss and
     gradients are made NaN.
     grad_shardings: the trainable params' shardings: gradients and their float32 sums are
-    held split like their parameters from the moment they exist, never whole on a device. inspect(name, tree) (testing aid) sees them inside the step.
+    held split like their parameters from the moment they exist, never whole on a device.
+    inspect(name, tree) (testing aid) sees them inside the step.
     """
     poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(nan_steps, jnp.int32)),
                        jnp.nan, 1.0) if nan_steps else 1.0
@@ -491,8 +507,8 @@ def _run(cfg, stop):
         batch = feed.get(start)
         compiled, flops_per_step = compile_step(cfg, trainer, state, batch, mesh, log)
         write_run_config(cfg)
-        steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log)
-        steplog.data_fields = train_data.epochs  # epochs seen (of each source of a mixture)
+        steplog = StepLog(cfg, start, flops_per_step, mesh.size, is_main, log,
+                          data_fields=train_data.epochs)
         evaluate = functools.partial(held_out_loss, cfg, trainer, val_data, feed)
         if start == 0:
             steplog.val_loss(0, evaluate(state))  # the untrained model; every process takes part
@@ -695,7 +711,7 @@ class StepLog:
     """What a logging step reports: metrics.jsonl (process 0), the progress bar, skipped
     updates, throughput and MFU; and the bad-step limit, checked as steps are logged."""
 
-    def __init__(self, cfg, start, flops_per_step, num_devices, is_main, log):
+    def __init__(self, cfg, start, flops_per_step, num_devices, is_main, log, data_fields=None):
         self.cfg, self.log, self.is_main = cfg, log, is_main
         self.pending = []  # each step's metrics since the last log, still on the device
         self.flops_per_token = flops_per_step / tokens_per_step(cfg)
@@ -704,7 +720,7 @@ class StepLog:
                         if is_main else None)
         self.bar = tqdm(total=cfg.steps, initial=start, disable=not is_main, dynamic_ncols=True)
         self.window_start, self.window_from = time.perf_counter(), start
-        self.data_fields = None  # step -> extra metrics of the data (epochs per source)
+        self.data_fields = data_fields  # (step, batch_size) -> epochs seen (per source)
 
     def due(self, step):
         return step % self.cfg.log_every == 0 or step == self.cfg.steps
@@ -742,6 +758,9 @@ class StepLog:
         if self.peak:
             record["mfu"] = record["tflops_per_device"] / self.peak
         record.update({k: float(v) for k, v in metrics.items() if k in dpo.METRICS})
+        for key in metrics:  # --data.mix: the training loss of each source's rows
+            if key.startswith("loss_sum.") and float(metrics["tokens." + key[9:]]) > 0:
+                record["loss." + key[9:]] = float(metrics[key] / metrics["tokens." + key[9:]])
         if metrics["skipped"]:
             record["skipped"] = True
         if self.data_fields:
