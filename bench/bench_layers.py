@@ -1,11 +1,10 @@
-"""Layer scan versus unrolled layers: compile time and step time, side by side.
+"""Scanned versus unrolled layers (--scan_layers): compile time and step time, side by side.
 
     python bench/bench_layers.py --layers=8,32
 
-Unrolled is meshlm's model as it is: one Block per layer in the program. Scan runs the
-same Block once under lax.scan over the layers' parameters stacked on a leading axis
-(stacked here, outside the timed step, as a scanned model would store them). Both take
-the loss and its gradients for one batch of the `small` config widths.
+Both are meshlm's model on one device, taking the loss and its gradients for one batch
+of the `small` config widths: unrolled runs one Block per layer in the program, scanned
+runs the layers as one lax.scan over their stacked weights (model.Transformer).
 """
 
 import argparse
@@ -14,33 +13,15 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trainer.families import ModelConfig
-from trainer.model import Block, build_model, cross_entropy
+from trainer.model import batch_loss, build_model
 
 
 def config(layers):
     return ModelConfig(vocab_size=320, hidden_size=256, intermediate_size=688,
                        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8)
-
-
-def scanned_loss(model, params, stacked, tokens, targets, mask):
-    """The model's forward pass with its blocks under lax.scan."""
-    cfg = model.cfg
-    B, T = tokens.shape
-    x = jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
-    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    block = Block(cfg, "full_attention", jnp.float32, jnp.float32)
-
-    def body(x, layer):
-        return block.apply({"params": layer}, x, positions, jnp.arange(T))[0], None
-    x, _ = jax.lax.scan(body, x, stacked)
-    # The final RMSNorm and the lm head, as model.py computes them.
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
-    x = x * params["norm"]["scale"]
-    return cross_entropy(x @ params["lm_head"]["kernel"], targets, mask)[0]
 
 
 def timed(fn, *args, steps=5):
@@ -62,20 +43,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print("| layers | unrolled compile s | scan compile s | unrolled step ms | scan step ms |")
     print("|---|---|---|---|---|")
+    tokens = np.random.default_rng(0).integers(0, 320, (8, 257)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((8, 256), np.float32)}
     for layers in map(int, args.layers.split(",")):
-        cfg = config(layers)
-        model = build_model(cfg)
-        tokens = np.random.default_rng(0).integers(0, 320, (8, 257)).astype(np.int32)
-        inputs, targets, mask = tokens[:, :-1], tokens[:, 1:], np.ones((8, 256), np.float32)
-        params = model.init(jax.random.PRNGKey(0), inputs[:1, :8])["params"]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
-                               *[params[f"layers_{i}"] for i in range(layers)])
-
-        def unrolled(p):
-            return model.apply({"params": p}, inputs, targets=targets, loss_mask=mask)[0]
-        unrolled_c, unrolled_t = timed(jax.grad(unrolled), params)
-        scan_c, scan_t = timed(jax.grad(lambda p, s: scanned_loss(
-            model, p, s, inputs, targets, mask), argnums=(0, 1)), params, stacked)
+        unrolled = build_model(config(layers))
+        params = unrolled.init(jax.random.PRNGKey(0), batch["inputs"][:1, :8])["params"]
+        results = [timed(jax.grad(lambda p, m=model: batch_loss(m, p, batch)[0]), params)
+                   for model in (unrolled, unrolled.clone(scan_layers=True))]
+        (unrolled_c, unrolled_t), (scan_c, scan_t) = results
         print(f"| {layers} | {unrolled_c:.1f} | {scan_c:.1f} | {unrolled_t * 1e3:.0f} | "
               f"{scan_t * 1e3:.0f} |", flush=True)
 

@@ -186,28 +186,3 @@ def test_chunked_loss_halves_the_step_memory_at_a_128k_vocab():
     print(f"temporaries: full logits {temps[2048] / 2**20:.0f} MiB, chunked "
           f"{temps[0] / 2**20:.0f} MiB")
     assert temps[0] <= 0.5 * temps[2048]
-
-
-def test_scanned_layers_equal_unrolled_ones():
-    """The scan variant bench/bench_layers.py times computes what the model computes."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
-    import bench_layers
-    cfg = bench_layers.config(3)
-    model = build_model(cfg)
-    tokens = np.random.default_rng(0).integers(0, 320, (2, 33)).astype(np.int32)
-    inputs, targets, mask = tokens[:, :-1], tokens[:, 1:], np.ones((2, 32), np.float32)
-    params = model.init(jax.random.PRNGKey(0), inputs)["params"]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(3)])
-    unrolled = lambda p: model.apply({"params": p}, inputs, targets=targets,  # noqa: E731
-                                     loss_mask=mask)[0]
-    scanned = lambda p, s: bench_layers.scanned_loss(model, p, s, inputs, targets,  # noqa: E731
-                                                      mask)
-    a, ga = jax.value_and_grad(unrolled)(params)
-    b, (gp, gs) = jax.value_and_grad(scanned, argnums=(0, 1))(params, stacked)
-    assert abs(float(a) - float(b)) < 1e-4 * abs(float(a))
-    for i in range(3):
-        for x, y in zip(jax.tree.leaves(ga[f"layers_{i}"]),
-                        jax.tree.leaves(jax.tree.map(lambda s: s[i], gs))):
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)

@@ -153,7 +153,9 @@ def test_cli_on_datatrove_with_two_workers_and_a_killed_rerun(corpus, tmp_path):
         time.sleep(0.01)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert not (killed / "manifest.json").exists() or p.returncode == 0
+    # A manifest means the run had finished (the kill may land after it is written).
+    assert not (killed / "manifest.json").exists() or all(
+        (killed / f"shards/{i:05d}.json").exists() for i in range(4))
     # ... and what a kill in the middle of a shard leaves: a temp dir, a shard without its record.
     (killed / "shards").mkdir(parents=True, exist_ok=True)
     dead = killed / f"shards/.00003.tmp@{socket.gethostname()}@{p.pid}-x1y2"  # p is gone
