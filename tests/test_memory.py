@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from test_model import init, tiny
-from test_sharding import abstract_batch, build
+from test_sharding import abstract_batch, build, train_losses
 from trainer import lora, train
 from trainer.model import batch_loss, layer_period
 
@@ -48,6 +48,18 @@ def test_scanned_layers_equal_unrolled(family, remat):
     for g_s, g_u in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads_u)):
         assert np.max(np.abs(g_s - g_u)) <= 1e-5 * np.max(np.abs(g_u))
     assert jax.tree.structure(grads_s) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("vocab", [4096, 320])
+def test_both_embedding_lookups_give_the_single_device_losses(vocab):
+    """1,024 tokens a step: fewer than the vocab rows per tp shard at 4,096 (each device
+    looks up its own rows) and more at 320 (the table is gathered); the tied head always
+    scores by rows. Both, scanned, on 1,8,1 and 1,2,4, equal one device's losses."""
+    flags = (f"--model.vocab_size={vocab}", "--model.tie_word_embeddings=true")
+    reference = np.array(train_losses("1,1,1", 3, *flags, init=flags)[0])
+    for mesh in ("1,8,1", "1,2,4"):
+        np.testing.assert_allclose(train_losses(mesh, 3, *flags, init=flags)[0], reference,
+                                   rtol=1e-5, err_msg=mesh)
 
 
 def compiled_temporaries(layers, scan):

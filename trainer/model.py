@@ -425,11 +425,16 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-        # The table (and the tied head) is split by rows over every weight-splitting mesh
-        # axis: each device looks up, and scores, only its own slice of the vocab, so no
-        # device ever holds the whole table or its gradient; only activations move.
-        table = constrain(embed.embedding.astype(self.dtype), ("vocab_rows", None))  # [V, D]
-        x = jnp.take(table, tokens, axis=0)
+        # The head scores each device's own rows of the vocab (split over every weight axis),
+        # so the whole table and its gradient never sit on one device. The lookup does the
+        # same while that moves less than the table would: each device then adds up
+        # partial rows for every token of its dp replica ([B/dp, T, D]); with more tokens
+        # than vocab rows per tp shard, it gathers the table (split over tp only) instead.
+        table = embed.embedding.astype(self.dtype)  # [V, D]
+        tokens_per_replica = B // axis_size("replica_batch") * T
+        by_rows = tokens_per_replica <= cfg.vocab_size // axis_size("vocab")
+        x = jnp.take(constrain(table, ("vocab_rows" if by_rows else "vocab", None)), tokens,
+                     axis=0)
         if cfg.switches.scale_embeddings:  # sqrt(D), rounded to the weights' dtype as in HF
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(self.dtype)
         x = constrain(x, ("batch", "seq", "embed"))  # [B, T, D]
@@ -450,7 +455,7 @@ class Transformer(nn.Module):
 
         x = _norm(cfg, self.dtype, self.param_dtype, "norm")(x)
         if cfg.tie_word_embeddings:
-            head = table.T  # [D, V]
+            head = constrain(table, ("vocab_rows", None)).T  # [D, V]
         else:
             head, _, _ = LinearParams(cfg.vocab_size, False, self.param_dtype, name="lm_head")(
                 cfg.hidden_size)
