@@ -700,6 +700,12 @@ def _select_docs(tokens, offsets, mask, keep):
 
 # --------------------------------------------------------------------------- datasets
 
+def draw_positions(step: int, batch_size: int, rows: slice | None = None) -> np.ndarray:
+    """The global draw positions of batch rows `rows` (all: None) of step `step`."""
+    local = range(batch_size)[rows] if rows is not None else range(batch_size)
+    return step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
+
+
 def epoch_rows(num_rows: int, seed: int, positions, salt: tuple = ()) -> np.ndarray:
     """The rows at global draw positions (over endless epochs): epoch e's order is a keyed
     permutation (seed, e) of the rows, O(1) memory and looked up position by position."""
@@ -732,9 +738,7 @@ class Dataset:
 
     def row_ids(self, step: int, batch_size: int, seed: int, rows: slice | None = None) -> np.ndarray:
         """Dataset rows for global batch positions `rows` of `step`, over endless epochs."""
-        local = range(batch_size)[rows] if rows is not None else range(batch_size)
-        g = step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
-        return epoch_rows(self.num_rows, seed, g)
+        return epoch_rows(self.num_rows, seed, draw_positions(step, batch_size, rows))
 
     def epochs(self, step: int, batch_size: int) -> dict:
         """{"epochs": passes over the rows in steps [0, step)}, for the metrics."""
@@ -871,8 +875,7 @@ class Mixture:
         return source, cycles * self.q[source] + self.before[slot, source]
 
     def batch(self, step: int, batch_size: int, seed: int, rows: slice | None = None):
-        local = range(batch_size)[rows] if rows is not None else range(batch_size)
-        g = step * batch_size + np.arange(local.start, local.stop, local.step, dtype=np.int64)
+        g = draw_positions(step, batch_size, rows)
         source, k = self.draws(g)
         out = None
         for s in np.unique(source):

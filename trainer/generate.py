@@ -279,6 +279,11 @@ def generate(model, params, prompts, eos_id, pad_id, max_new_tokens=128, tempera
 
 
 # ------------------------------------------------------------------ text
+def cut_at_stops(text, stops):
+    """The text before the first occurrence of any (non-empty) stop string."""
+    return text[:min([text.find(s) for s in stops if s and s in text], default=len(text))]
+
+
 class TextStream:
     """Token ids in, text out as it becomes final: held back while it may still be the
     start of a stop string or of an unfinished UTF-8 character. `stopped` turns True when
@@ -308,7 +313,7 @@ class TextStream:
     def text(self):
         """The whole reply, decoded at once and cut before the first stop string."""
         text = self.tokenizer.decode(self.ids)
-        return text[:min([text.find(s) for s in self.stop if s in text], default=len(text))]
+        return cut_at_stops(text, self.stop)
 
     def _send(self, text):
         if not text.startswith(self.sent):  # a later token changed earlier text: wait
@@ -519,7 +524,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     for text, new in zip(texts, outputs):
         reply = tokenizer.decode(new)
-        print(text + (reply.split(cfg.stop)[0] if cfg.stop else reply))
+        print(text + cut_at_stops(reply, [cfg.stop]))
         if len(outputs) > 1:
             print("-" * 40)
 

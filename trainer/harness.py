@@ -20,17 +20,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 
 from trainer import storage
 from trainer.errors import UserError, one_line
-from trainer.generate import generate
+from trainer.generate import bucket, cut_at_stops, generate
 from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE, HFTokenizer
-
-MIN_BUCKET = 16  # the shortest padded row length
-
-
-def bucket(length, max_length):
-    """A row length padded up to a power of two (at least MIN_BUCKET, at most max_length),
-    so scoring compiles once per bucket, not once per batch."""
-    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_length)
-
 
 @functools.partial(jax.jit, static_argnums=0)
 def _token_scores(model, params, tokens, targets):
@@ -183,14 +174,6 @@ def generation_stop_ids(tokenizer):
         eos = storage.read_json(path).get("eos_token_id") if storage.exists(path) else None
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
-
-
-def cut_at_stops(text, stops):
-    """The text before the first occurrence of any stop string."""
-    for stop in stops:
-        if stop:
-            text = text.split(stop)[0]
-    return text
 
 
 def task_manager(tasks, include_path=""):

@@ -439,19 +439,19 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(self.dtype)
         x = constrain(x, ("batch", "seq", "embed"))  # [B, T, D]
 
-        scan = self.scan_layers and kv_cache is None and not self.is_initializing()
-        if scan:
-            x = self._scanned_blocks(x, positions, q_slots, segment_ids)
-        block_cls = Block
-        if self.remat != "none" and kv_cache is None:
-            block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
         new_cache = []
-        for i, layer_type in enumerate([] if scan else cfg.layer_types):
-            layer_cache = kv_cache[i] if kv_cache is not None else None
-            x, layer_cache = block_cls(cfg, layer_type, self.dtype, self.param_dtype,
-                                       self.attention_impl, self.lora, name=f"layers_{i}")(
-                x, positions, q_slots, segment_ids, key_mask, layer_cache, cache_index)
-            new_cache.append(layer_cache)
+        if self.scan_layers and kv_cache is None and not self.is_initializing():
+            x = self._scanned_blocks(x, positions, q_slots, segment_ids)
+        else:
+            block_cls = Block
+            if self.remat != "none" and kv_cache is None:
+                block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
+            for i, layer_type in enumerate(cfg.layer_types):
+                layer_cache = kv_cache[i] if kv_cache is not None else None
+                x, layer_cache = block_cls(cfg, layer_type, self.dtype, self.param_dtype,
+                                           self.attention_impl, self.lora, name=f"layers_{i}")(
+                    x, positions, q_slots, segment_ids, key_mask, layer_cache, cache_index)
+                new_cache.append(layer_cache)
 
         x = _norm(cfg, self.dtype, self.param_dtype, "norm")(x)
         if cfg.tie_word_embeddings:

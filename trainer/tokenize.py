@@ -26,6 +26,7 @@ manifest is written last, by whichever run (or node) finds every shard done.
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -78,13 +79,9 @@ def identity(cfg: DataConfig, tokenizer, seq_len: int, sources) -> dict:
 
 # --------------------------------------------------------------------------- one task
 
-_TOKENIZERS = {}
-
-
-def _tokenizer(spec):
-    if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec)
-    return _TOKENIZERS[spec]
+@functools.lru_cache(maxsize=None)
+def _tokenizer(spec):  # once per worker process
+    return load_tokenizer(spec)
 
 
 def _progress_file(job, rank):
