@@ -11,3 +11,5 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 PYTHONPATH=. python3 bench/bench_device.py "$@"
 # The same model with rematerialisation, for its memory and cost.
 PYTHONPATH=. python3 bench/bench_device.py --remat=full "$@"
+# And with the block inputs in host memory: the device peak should drop by about their size.
+PYTHONPATH=. python3 bench/bench_device.py --remat=offload "$@"

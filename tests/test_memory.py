@@ -3,6 +3,7 @@ compiled step's temporaries grow with depth only by the added layers' sharded st
 block inputs; gradients and their sums inside the step are split like their parameters."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from test_model import init, tiny
 from test_sharding import abstract_batch, build, train_losses
-from trainer import lora, train
+from trainer import lora, plan, train
 from trainer.model import batch_loss, layer_period
 
 GEMMA_TYPES = ("sliding_attention", "sliding_attention", "full_attention") * 2
@@ -60,6 +61,47 @@ def test_both_embedding_lookups_give_the_single_device_losses(vocab):
     for mesh in ("1,8,1", "1,2,4"):
         np.testing.assert_allclose(train_losses(mesh, 3, *flags, init=flags)[0], reference,
                                    rtol=1e-5, err_msg=mesh)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_offload_keeps_exactly_the_block_inputs_in_host_memory(scan):
+    """--remat=offload: the only values the backward pass keeps in host memory are the block
+    inputs, one [rows, seq, hidden] per layer (stacked by the scan), and the step lowered
+    for a GPU asks XLA to place them in pinned host memory."""
+    def traced(remat):
+        cfg, mesh, trainer = build("1,2,1", f"--remat={remat}", f"--scan_layers={scan}",
+                                   batch_size=4, seq_len=32)
+        with jax.set_mesh(mesh):
+            return cfg, trainer.step_fn.trace(trainer.abstract_state,
+                                              abstract_batch(trainer, 4, 32))
+    cfg, offload = traced("offload")
+    layers, block_input = cfg.model.num_hidden_layers, (4, 32, cfg.model.hidden_size)
+    in_host = {tuple(map(int, dims.split(","))) for dims in
+               re.findall(r"f32<host>\[([\d,]+)\]", str(offload.jaxpr))}
+    assert in_host == ({block_input, (layers, *block_input)} if scan == "true" else
+                       {block_input})
+    assert "<host>" not in str(traced("full")[1].jaxpr)
+    gpu = offload.lower(lowering_platforms=("cuda",)).as_text()
+    placed = re.findall(r'annotate_device_placement.*"pinned_host".*\(tensor<(\w+)>\)', gpu)
+    # The scan's body is written once; unrolled, every layer places its own.
+    assert placed == ["x".join(map(str, block_input)) + "xf32"] * (1 if scan == "true" else
+                                                                  layers)
+
+
+def test_offload_runs_as_full_on_cpu_and_the_plan_says_so():
+    """The CPU backend has no separate host memory: offload computes exactly what full
+    does, and the plan shows the block inputs a GPU would move to host memory."""
+    offload, _ = train_losses("1,2,1", 3, "--remat=offload")
+    assert offload == train_losses("1,2,1", 3, "--remat=full")[0]
+    cfg, mesh, _ = build("1,2,1", "--remat=offload")
+    lines = []
+    result = plan.plan(cfg, mesh, out=lines.append)
+    m = cfg.model
+    block_inputs = m.num_hidden_layers * (cfg.batch_size // 2) * cfg.seq_len * m.hidden_size * 4
+    assert result["host"] == 0
+    assert any(re.fullmatch(rf"  host memory \(offload\) +0\.0 MiB +{block_inputs / 2**20:.1f} "
+                            "MiB", line) for line in lines), lines
+    assert any("figures are remat full's; on GPU/TPU about" in line for line in lines)
 
 
 def compiled_temporaries(layers, scan):

@@ -51,6 +51,7 @@ def test_plan_command_line(tmp_path):
     proc = run_cli("plan", *args, "--device_memory=1MiB", check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "does not fit" in proc.stdout and "--remat=full" in proc.stdout
+    assert "--remat=offload: as full, with the block inputs in host memory" in proc.stdout
     assert "--grad_accum=2" in proc.stdout  # two rows per device: halve them
     assert not json.loads(proc.stdout.strip().splitlines()[-1])["fits"]
     proc = run_cli("plan", *args, "--device_memory=64GiB")

@@ -166,7 +166,8 @@ class TrainConfig:
     param_dtype: Dtype = flag("float32", "parameter (and optimizer state) dtype")
     remat: Literal[("auto", "none") + tuple(REMAT_POLICIES)] = flag(
         "auto", "activation checkpointing per block: what each block keeps for the backward "
-        "pass (auto: none when the step fits the device's memory, else full)")
+        "pass (offload: full, with block inputs in host memory on GPU/TPU; auto: none when "
+        "the step fits the device's memory, else full)")
     scan_layers: Literal["auto", "true", "false"] = flag(
         "auto", "run the layers as one scan, so the step's memory follows one layer "
         "(auto: when the weights are split over devices, fsdp x tp > 1, or remat is on)")

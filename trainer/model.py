@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from trainer import attention
 from trainer.families import ACTIVATIONS, ModelConfig
@@ -34,9 +35,15 @@ from trainer.sharding import axis_size, constrain
 DTYPES = {"float32": np.float32, "fp32": np.float32, "bfloat16": ml_dtypes.bfloat16,
           "bf16": ml_dtypes.bfloat16, "float16": np.float16, "fp16": np.float16}
 
-# Which intermediates a rematerialised block keeps for the backward pass.
+# Which intermediates a rematerialised block keeps for the backward pass. "offload" is
+# "full" with each block's input (named BLOCK_INPUT in Block) kept in host memory instead
+# of the accelerator's; backends without separate host memory (CPU) run it as "full".
+BLOCK_INPUT = "block_input"
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -341,6 +348,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, q_slots, segment_ids=None, key_mask=None, kv_cache=None,
                  cache_index=None):
+        # Named inside the rematerialised function: the backward pass then recomputes from
+        # this copy, which an offload policy may place in host memory, not from x itself.
+        x = checkpoint_name(x, BLOCK_INPUT)
         norm = lambda name: _norm(self.cfg, self.dtype, self.param_dtype, name)  # noqa: E731
         sandwich = self.cfg.switches.sandwich_norms  # Gemma: the branch output is normed too
         h, new_cache = Attention(self.cfg, self.layer_type, self.dtype, self.param_dtype,

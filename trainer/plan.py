@@ -97,8 +97,9 @@ def analytic(cfg, mesh_shape, trainable_params, total_params):
     """The README's memory math, per device. State: bytes per parameter x N / (fsdp x tp),
     the weights plus two float32 Adam moments for the trainable ones. Temporaries: their
     float32 gradients, sharded the same way, plus activations: the block input every layer
-    keeps (remat full) or about 16 [rows, T, D]-sized tensors per layer (no remat), and
-    one layer's working set."""
+    keeps (remat full; in host memory with offload) or about 16 [rows, T, D]-sized tensors
+    per layer (no remat), and one layer's working set. Returns (state, temporaries, the
+    block inputs' bytes)."""
     dp, fsdp, tp = mesh_shape
     weight = np.dtype(DTYPES[cfg.param_dtype]).itemsize
     frozen = total_params - trainable_params
@@ -111,12 +112,13 @@ def analytic(cfg, mesh_shape, trainable_params, total_params):
                                                                "preference" else 1)
     act = np.dtype(DTYPES[cfg.dtype]).itemsize
     token_bytes = rows * cfg.seq_len * act
-    per_layer = token_bytes * m.hidden_size * (1 if cfg.remat == "full" else 16)
+    block_inputs = m.num_hidden_layers * token_bytes * m.hidden_size
+    kept = {"full": 1, "offload": 0}.get(cfg.remat, 16) * block_inputs
     working = token_bytes * (8 * m.hidden_size + 4 * m.intermediate_size // tp)
-    return state, grads + m.num_hidden_layers * per_layer + working
+    return state, grads + kept + working, block_inputs
 
 
-def advice(cfg, mesh_shape, state, temp, budget, loss_chunk):
+def advice(cfg, mesh_shape, state, temp, budget, loss_chunk, block_inputs):
     """Flag changes that would bring the total under budget, most effective first, each
     with an estimate of what it saves (a re-plan with the change gives the real figure)."""
     dp, fsdp, tp = mesh_shape
@@ -130,6 +132,10 @@ def advice(cfg, mesh_shape, state, temp, budget, loss_chunk):
     if cfg.remat == "none":
         tips.append((temp * 0.5, "--remat=full: keep only each block's input for the "
                                  "backward pass"))
+    if cfg.remat in ("none", "full"):
+        tips.append((block_inputs + (temp * 0.5 if cfg.remat == "none" else 0),
+                     "--remat=offload: as full, with the block inputs in host memory "
+                     "(GPU/TPU)"))
     rows = cfg.batch_size // cfg.grad_accum // (dp * fsdp)
     if rows > 1:
         tips.append((temp * 0.5, f"--grad_accum={cfg.grad_accum * 2}: half the rows per "
@@ -164,7 +170,8 @@ def plan(cfg, mesh, budget=None, out=print):
     trains = sum(x.size for x in jax.tree.leaves(lora.split(state["params"],
                                                             trainer.trainable)[0]))
     shape = tuple(mesh.shape.values())
-    est_state, est_temp = analytic(cfg, shape, trains, params)
+    est_state, est_temp, block_inputs = analytic(cfg, shape, trains, params)
+    host = memory.host_temp_size_in_bytes
 
     out(f"plan: {cfg.model.model_type}, {params:,} params ({trains:,} trainable); mesh "
         f"dp,fsdp,tp = {shape} over {mesh.size} {jax.devices()[0].platform} devices; "
@@ -174,9 +181,15 @@ def plan(cfg, mesh, budget=None, out=print):
     rows = [*((f"state: {name}", value, None) for name, value in parts.items()),
             ("state total", state_bytes, est_state), ("batch", batch_bytes, None),
             ("temporaries", temp, est_temp), ("total", total, est_state + est_temp)]
+    if cfg.remat == "offload":
+        rows.append(("host memory (offload)", host, block_inputs))
     out(f"per device:{'compiled':>24}{'analytic':>14}")
     for name, value, estimate in rows:
         out(f"  {name:<21}{_size(value):>12}{_size(estimate) if estimate else '':>14}")
+    if cfg.remat == "offload" and not host:
+        out(f"  ({jax.devices()[0].platform} keeps no separate host memory, so the compiled "
+            f"figures are remat full's; on GPU/TPU about {_size(block_inputs)} of block inputs "
+            "move to host memory)")
     buffers = largest_buffers(dump)
     shutil.rmtree(dump, ignore_errors=True)
     if buffers:
@@ -184,7 +197,7 @@ def plan(cfg, mesh, budget=None, out=print):
         for size, what in buffers:
             out(f"  {_size(size):>11}  {what}")
     result = {"state": state_bytes, **{f"state_{k}": v for k, v in parts.items()},
-              "temp": temp, "total": total, "analytic_state": est_state,
+              "temp": temp, "total": total, "host": host, "analytic_state": est_state,
               "analytic_temporaries": est_temp, "largest": buffers}
     if budget:
         result["fits"] = total <= budget
@@ -194,7 +207,8 @@ def plan(cfg, mesh, budget=None, out=print):
         else:
             out(f"does not fit: {_size(total)} per device needed, {_size(budget)} available. "
                 "Flags that would help:")
-            for tip in advice(cfg, shape, state_bytes, temp, budget, trainer.model.loss_chunk):
+            for tip in advice(cfg, shape, state_bytes, temp, budget, trainer.model.loss_chunk,
+                              block_inputs):
                 out(f"  {tip}")
     out(json.dumps({k: v for k, v in result.items() if k != "largest"}))
     return result

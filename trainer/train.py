@@ -451,6 +451,8 @@ def make_trainer(cfg, mesh, budget=None, log=print):
     """The Trainer for cfg, with --remat=auto decided: none when the step compiled without
     remat fits `budget` bytes per device (default: the device's memory), else full."""
     trainer = Trainer(cfg, mesh)
+    if cfg.remat == "offload" and jax.devices()[0].platform == "cpu":
+        log("remat: offload runs as full here (the CPU backend has no separate host memory)")
     if cfg.remat != "auto":
         return trainer
     budget = budget or device_memory()
