@@ -21,6 +21,7 @@ from tiny_hf import make_hf_dir
 
 KEY = "test-key"
 SLOTS, QUEUE, MAX_NEW, CONTEXT = 4, 20, 64, 128
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,17 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     path = str(root / "llama")
     torch_model = make_hf_dir(path, "llama_gqa", seed=5)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    # A second end token, as Llama 3 Instruct's generation_config.json lists <|eot_id|>
+    # beside EOS: a token that first appears a few tokens into the greedy chat reply (which
+    # has no EOS), so that the reply ends there.
+    config = torch_model.generation_config
+    config.eos_token_id = tok.eos_token_id
+    reply = greedy_ids(torch_model, chat_ids(tok, MESSAGES), 20)
+    assert len(reply) == 20
+    config.eos_token_id = [tok.eos_token_id, next(t for i, t in enumerate(reply)
+                                                  if i >= 3 and t not in reply[:i])]
+    config.save_pretrained(path)
     log = open(root / "server.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.serve", f"--checkpoint={path}", "--port=0",
@@ -43,8 +55,7 @@ def server(tmp_path_factory):
         line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT/"
         log.seek(0)
         assert line.startswith("serving ") and "http://127.0.0.1:" in line, line + log.read()
-        yield line.split()[-1].rstrip("/"), torch_model, transformers.AutoTokenizer.from_pretrained(
-            path)
+        yield line.split()[-1].rstrip("/"), torch_model, tok
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -56,17 +67,28 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def hf_reply(server, ids, new):
-    """transformers' greedy continuation of prompt ids, decoded as the server decodes."""
-    _, model, tok = server
+def chat_ids(tok, messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def greedy_ids(model, ids, new):
+    """transformers' greedy continuation of prompt ids, ending at (and without) any end
+    token of the model's generation config."""
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                                                             dtype=torch.long),
-                             max_new_tokens=new, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=new, do_sample=False, pad_token_id=0)
     new_ids = out[0, len(ids):].tolist()
-    if tok.eos_token_id in new_ids:
-        new_ids = new_ids[:new_ids.index(tok.eos_token_id)]
+    ends = model.generation_config.eos_token_id
+    ends = ends if isinstance(ends, list) else [ends]
+    return next((new_ids[:i] for i, t in enumerate(new_ids) if t in ends), new_ids)
+
+
+def hf_reply(server, ids, new):
+    """transformers' greedy continuation of prompt ids, decoded as the server decodes."""
+    _, model, tok = server
+    new_ids = greedy_ids(model, ids, new)
     return tok.decode(new_ids, skip_special_tokens=True), len(new_ids)
 
 
@@ -100,14 +122,16 @@ def test_openai_client_completions_chat_and_streaming(server, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    want, _ = hf_reply(server, ids, 20)
+    messages = MESSAGES
+    ids = chat_ids(tok, messages)
+    want, count = hf_reply(server, ids, 20)
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
                                           temperature=0)
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == want
+    # It ended at the generation config's second end token, not at max_tokens.
+    assert 3 <= count < 20 and chat.usage.completion_tokens == count
+    assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.prompt_tokens == len(ids)
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
     assert client.chat.completions.create(model="tiny", messages=parts, max_tokens=20,

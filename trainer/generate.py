@@ -519,7 +519,7 @@ def main(argv=None):
             prompts = tokenizer.encode_texts(texts)
         outputs = generate(model, params, prompts, tokenizer.eos_id, tokenizer.pad_id,
                            cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed,
-                           mesh=mesh)
+                           mesh=mesh, stop_ids=tokenizer.stop_ids)
     except UserError as e:
         sys.exit(f"error: {e}")
     for text, new in zip(texts, outputs):

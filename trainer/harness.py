@@ -18,10 +18,9 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from trainer import storage
 from trainer.errors import UserError, one_line
 from trainer.generate import bucket, cut_at_stops, generate
-from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE, HFTokenizer
+from trainer.tokenizer import BUILTIN_CHAT_TEMPLATE
 
 @functools.partial(jax.jit, static_argnums=0)
 def _token_scores(model, params, tokens, targets):
@@ -44,7 +43,7 @@ class MeshLM(TemplateLM):
         self._batch_size = batch_size
         self.max_length = max_length or model.cfg.max_position_embeddings
         self.seed = seed
-        self.stop_ids = generation_stop_ids(tokenizer)
+        self.stop_ids = tokenizer.stop_ids
 
     # ------------------------------------------------------------ what lm-eval asks of a model
     @property
@@ -162,18 +161,6 @@ class MeshLM(TemplateLM):
                     out[i] = cut_at_stops(self.tok.decode(ids), until)
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out
-
-
-def generation_stop_ids(tokenizer):
-    """EOS and the ids generation_config.json lists as eos_token_id beside an HF tokenizer
-    (Llama 3 Instruct ends turns with <|eot_id|>): HF's generate stops at any of them, and a
-    continuation cut after the first is the one that stopped there."""
-    ids = {tokenizer.eos_id}
-    if isinstance(tokenizer, HFTokenizer):
-        path = f"{tokenizer.name.rstrip('/')}/generation_config.json"
-        eos = storage.read_json(path).get("eos_token_id") if storage.exists(path) else None
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids
 
 
 def task_manager(tasks, include_path=""):

@@ -188,7 +188,7 @@ class Service:
                     prompt, max_new, body.temperature, body.top_k, body.top_p,
                     seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(3),
                                                                                 "little"),
-                    stream=c, stop_ids=[self.tokenizer.eos_id],
+                    stream=c, stop_ids=self.tokenizer.stop_ids,
                     emit=lambda event, i=index: emit(i, event)))
         return out, stops
 

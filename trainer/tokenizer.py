@@ -73,6 +73,11 @@ class Tokenizer:
         return [ids if ids[-1:] == [self.eos_id] else ids + [self.eos_id]
                 for ids in self.encode_texts(texts)]
 
+    @property
+    def stop_ids(self) -> frozenset:
+        """The ids that end a generation: EOS here; see HFTokenizer."""
+        return frozenset({self.eos_id})
+
     def fingerprint(self) -> str:
         """What must match for cached token ids to be reusable."""
         return f"{self.name}|{self.vocab_size}|{self.bos_id}|{self.eos_id}"
@@ -238,6 +243,17 @@ class HFTokenizer(Tokenizer):
         # Added tokens are matched as written wherever they appear in a text.
         self.specials = dict(tok.get_added_vocab())
         self.chat_template = tok.chat_template or BUILTIN_CHAT_TEMPLATE
+        self._local_dir = local_dir
+
+    @functools.cached_property
+    def stop_ids(self):
+        """EOS and every eos_token_id of the generation_config.json beside the tokenizer, as
+        HF's generate stops at any of them: Llama 3 Instruct ends turns with <|eot_id|>,
+        Gemma with <end_of_turn>, neither of them the tokenizer's EOS."""
+        path = os.path.join(self._local_dir, "generation_config.json")
+        eos = storage.read_json(path).get("eos_token_id") if os.path.exists(path) else None
+        return frozenset({self.eos_id, *(eos if isinstance(eos, list) else
+                                         [] if eos is None else [eos])})
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False)
