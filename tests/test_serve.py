@@ -22,6 +22,7 @@ from tiny_hf import make_hf_dir
 KEY = "test-key"
 SLOTS, QUEUE, MAX_NEW, CONTEXT = 4, 20, 64, 128
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+PAGE_MESSAGE = {"role": "user", "content": "Hello there"}  # typed into the chat page
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +34,15 @@ def server(tmp_path_factory):
     tok = transformers.AutoTokenizer.from_pretrained(path)
     # A second end token, as Llama 3 Instruct's generation_config.json lists <|eot_id|>
     # beside EOS: a token that first appears a few tokens into the greedy chat reply (which
-    # has no EOS), so that the reply ends there.
+    # has no EOS), so that the reply ends there; not one of the chat page's reply, which
+    # must stream in several pieces.
     config = torch_model.generation_config
     config.eos_token_id = tok.eos_token_id
     reply = greedy_ids(torch_model, chat_ids(tok, MESSAGES), 20)
+    page_reply = greedy_ids(torch_model, chat_ids(tok, [PAGE_MESSAGE]), 12)
     assert len(reply) == 20
-    config.eos_token_id = [tok.eos_token_id, next(t for i, t in enumerate(reply)
-                                                  if i >= 3 and t not in reply[:i])]
+    config.eos_token_id = [tok.eos_token_id, next(
+        t for i, t in enumerate(reply) if i >= 3 and t not in reply[:i] + page_reply)]
     config.save_pretrained(path)
     log = open(root / "server.log", "w+")
     proc = subprocess.Popen(
@@ -253,7 +256,7 @@ def test_chat_page_streams_a_reply_in_headless_chromium(server, client, tmp_path
     from playwright.sync_api import sync_playwright
     url = server[0]
     expected = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=12,
+        model="tiny", messages=[PAGE_MESSAGE], max_tokens=12,
         temperature=0).choices[0].message.content
     shot = tmp_path_factory.mktemp("browser") / "chat.png"
     with sync_playwright() as p:
@@ -274,7 +277,7 @@ def test_chat_page_streams_a_reply_in_headless_chromium(server, client, tmp_path
                     if (a) window.lengths.add(a.textContent.length); })
                 .observe(document.getElementById('log'),
                          {subtree: true, childList: true, characterData: true}); }""")
-            page.fill("#box", "Hello there")
+            page.fill("#box", PAGE_MESSAGE["content"])
             page.keyboard.press("Enter")
             page.wait_for_selector(".assistant")
             page.wait_for_function("() => !document.getElementById('send').disabled",
@@ -285,7 +288,7 @@ def test_chat_page_streams_a_reply_in_headless_chromium(server, client, tmp_path
             assert page.evaluate("() => window.lengths.size") >= 4  # it grew piece by piece
             assert not outside  # nothing fetched from anywhere but the server
             page.reload()
-            assert page.text_content(".user") == "Hello there"
+            assert page.text_content(".user") == PAGE_MESSAGE["content"]
             assert page.text_content(".assistant") == expected
 
             # Stop: the reply ends where it was, and the server frees the slot.
