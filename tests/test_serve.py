@@ -4,8 +4,10 @@ chat page in headless Chromium. Replies are checked against transformers' own gr
 generation on the same random tiny HF Llama."""
 
 import concurrent.futures
+import http.client
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -226,6 +228,44 @@ def test_bad_requests_get_openai_style_4xx_and_the_server_stays_up(server):
         error = body["error"]
         assert message in error["message"] and error["type"], (kwargs, error)
     assert call(url + "/health")[0] == 200
+
+
+def test_a_client_that_hangs_up_frees_its_slot(server):
+    """A non-streamed request stops generating when its client disconnects: its slot is free
+    again long before the request alone would have finished."""
+    url = server[0]
+    payload = {"prompt": "Once upon a time", "max_tokens": MAX_NEW, "temperature": 0}
+    body = json.dumps(payload).encode()
+    host, port = url.split("//")[1].split(":")
+
+    def send():
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        for _ in range(3000):
+            if call(url + "/health")[1]["active"]:
+                return sock, time.perf_counter()
+            time.sleep(0.01)
+        raise AssertionError(sock.recv(1 << 20))  # it never started: say why
+
+    def until_idle(start):
+        for _ in range(3000):
+            if not call(url + "/health")[1]["active"]:
+                return time.perf_counter() - start
+            time.sleep(0.01)
+        raise AssertionError("the slot is still busy after 30 s")
+
+    sock, start = send()
+    with sock:
+        alone = until_idle(start)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert json.loads(response.read())["choices"][0]["finish_reason"] == "length"
+    sock, start = send()
+    sock.close()
+    hung_up = until_idle(start)
+    assert hung_up < alone / 3, (hung_up, alone)
 
 
 def test_a_flood_beyond_the_queue_gets_429_not_a_hang(server):

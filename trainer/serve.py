@@ -11,6 +11,7 @@ responses or server-sent events. A full queue answers 429 at once.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -196,7 +197,7 @@ class Service:
 def build_app(service, api_key=""):
     """The FastAPI application around a Service."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -273,7 +274,9 @@ def build_app(service, api_key=""):
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await run.complete())
+        result = await run.complete_unless_gone(request)
+        # 499: nginx's "client closed request", for the log; no one reads it.
+        return JSONResponse(result) if result is not None else Response(status_code=499)
 
     return app
 
@@ -336,6 +339,22 @@ class Run:
             choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                        for i, (t, f) in enumerate(zip(texts, self.finish))]
         return {**self._envelope(choices), "usage": self.usage()}
+
+    async def complete_unless_gone(self, request):
+        """complete(), or None once the client disconnects first: a plain response only
+        notices a gone client when it writes, so without this the slots would run on."""
+        async def client_gone():  # the body is read: what comes next is the client leaving
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        task, gone = asyncio.ensure_future(self.complete()), asyncio.ensure_future(client_gone())
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            gone.cancel()
+            return task.result()
+        task.cancel()  # deltas() then cancels the engine requests
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
 
     async def sse(self):
         def event(payload):
