@@ -248,8 +248,8 @@ class HFTokenizer(Tokenizer):
     @functools.cached_property
     def stop_ids(self):
         """EOS and every eos_token_id of the generation_config.json beside the tokenizer, as
-        HF's generate stops at any of them: Llama 3 Instruct ends turns with <|eot_id|>,
-        Gemma with <end_of_turn>, neither of them the tokenizer's EOS."""
+        HF's generate stops at any of them: chat models end a turn with a token that may not
+        be the tokenizer's EOS (Llama 3 Instruct: <|eot_id|>; Gemma: <end_of_turn>)."""
         path = os.path.join(self._local_dir, "generation_config.json")
         eos = storage.read_json(path).get("eos_token_id") if os.path.exists(path) else None
         return frozenset({self.eos_id, *(eos if isinstance(eos, list) else
